@@ -1,0 +1,58 @@
+"""jdp: synchronous data-parallel training for JAX."""
+
+from jdp.devices import force_cpu_devices
+from jdp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    all_finite,
+)
+from jdp.parallel import PmapStep, ShardMapStep, pmap, shard_map
+from jdp.replication import (
+    assert_replicas_in_sync,
+    broadcast,
+    replicate,
+    sync_replicas,
+    unreplicate,
+)
+from jdp.sharding import pad_batch, shard, unshard
+from jdp.state import TrainState
+from jdp.step import (
+    average_model_state,
+    cast_floating,
+    make_train_step,
+    masked_mean,
+    reduce_gradients,
+    replica_rng,
+)
+from jdp.types import PyTree
+
+__all__ = [
+    "DynamicLossScale",
+    "LossScale",
+    "NoOpLossScale",
+    "PmapStep",
+    "PyTree",
+    "ShardMapStep",
+    "StaticLossScale",
+    "TrainState",
+    "all_finite",
+    "assert_replicas_in_sync",
+    "average_model_state",
+    "broadcast",
+    "cast_floating",
+    "force_cpu_devices",
+    "make_train_step",
+    "masked_mean",
+    "pad_batch",
+    "pmap",
+    "reduce_gradients",
+    "replica_rng",
+    "replicate",
+    "shard",
+    "shard_map",
+    "sync_replicas",
+    "unreplicate",
+    "unshard",
+]

@@ -1,0 +1,244 @@
+"""Backends: run one per-replica step over the local devices.
+
+Both wrappers take the same per-replica step and return a callable with the
+placement helpers of its layout, so a training script that uses them switches
+backend by changing one line::
+
+    train_step = jdp.pmap(step)        # or: jdp.shard_map(step)
+    state = train_step.replicate(state)
+    state, metrics = train_step(state, train_step.shard(batch))
+    params = train_step.unreplicate(state).params
+"""
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jdp.devices import warn_if_cpu_pool_unsafe
+from jdp.replication import replicate, unreplicate
+from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths, local_mesh, shard
+from jdp.state import TrainState
+from jdp.types import PyTree
+
+Step = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+def _check_axis_name(step: Step, axis_name: str, backend: str) -> None:
+    step_axis = getattr(step, "axis_name", axis_name)
+    if step_axis != axis_name:
+        raise ValueError(
+            f"The step was built with axis_name={step_axis!r} but jdp.{backend} "
+            f"binds axis_name={axis_name!r}; pass the same name to both."
+        )
+
+
+class PmapStep:
+    """A step run by ``jax.pmap``: state and batch carry a leading device axis.
+
+    Built by :func:`jdp.pmap`. Call it as ``step(state, batch)``.
+    """
+
+    def __init__(self, step: Step, *, axis_name: str, donate_state: bool, devices):
+        _check_axis_name(step, axis_name, "pmap")
+        self.devices = list(devices) if devices is not None else jax.local_devices()
+        self.axis_name = axis_name
+        self._fn = jax.pmap(
+            step,
+            axis_name=axis_name,
+            devices=self.devices,
+            donate_argnums=(0,) if donate_state else (),
+        )
+        warn_if_cpu_pool_unsafe(len(self.devices))
+
+    def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
+        n = len(self.devices)
+        _check_state(state, n, expected_ndim=1, layout="pmap")
+        _check_leading(batch, n)
+        return self._fn(state, batch)
+
+    def replicate(self, tree: PyTree) -> PyTree:
+        """One copy per device with a leading device axis (see :func:`jdp.replicate`)."""
+        return replicate(tree, self.devices)
+
+    def unreplicate(self, tree: PyTree) -> PyTree:
+        """Replica 0's values (see :func:`jdp.unreplicate`)."""
+        return unreplicate(tree)
+
+    def shard(self, batch: PyTree) -> PyTree:
+        """``(B, ...)`` -> ``(n, B // n, ...)`` on the devices (see :func:`jdp.shard`)."""
+        return shard(batch, self.devices)
+
+
+class ShardMapStep:
+    """A step run by ``jax.jit(jax.shard_map(...))`` over a 1-D device mesh.
+
+    State is held once, as global arrays replicated across the mesh (no
+    leading device axis); the batch is a global ``(B, ...)`` array sharded
+    along its leading axis. Per-replica metrics keep a leading axis of size n,
+    as under pmap. Built by :func:`jdp.shard_map`.
+    """
+
+    def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool):
+        _check_axis_name(step, axis_name, "shard_map")
+        if mesh is None:
+            mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
+        if mesh.axis_names != (axis_name,):
+            raise ValueError(
+                f"jdp.shard_map needs a 1-D mesh with the axis {axis_name!r}, got "
+                f"axes {mesh.axis_names}; e.g. jax.make_mesh((n,), ({axis_name!r},))."
+            )
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
+
+        def per_replica(state, batch):
+            state, metrics = step(state, batch)
+            return state, jax.tree.map(lambda m: m[None], metrics)
+
+        # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
+        # the only gradient reduction (see docs/backends.md).
+        mapped = jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(PartitionSpec(), PartitionSpec(axis_name)),
+            out_specs=(PartitionSpec(), PartitionSpec(axis_name)),
+            check_vma=False,
+        )
+        self._fn = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
+        warn_if_cpu_pool_unsafe(mesh.size)
+
+    def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
+        _check_state(state, self.mesh.size, expected_ndim=0, layout="shard_map")
+        size = batch_size(batch)
+        if size % self.mesh.size:
+            raise ValueError(
+                f"The global batch of {size} examples does not split over "
+                f"{self.mesh.size} devices; pad it with jdp.pad_batch."
+            )
+        return self._fn(state, batch)
+
+    def replicate(self, tree: PyTree) -> PyTree:
+        """One global copy of ``tree``, replicated across the mesh."""
+        return jax.device_put(tree, self._replicated)
+
+    def unreplicate(self, tree: PyTree) -> PyTree:
+        """The local copy of replicated state (see :func:`jdp.unreplicate`)."""
+        return unreplicate(tree)
+
+    def shard(self, batch: PyTree) -> PyTree:
+        """A global ``(B, ...)`` batch, sharded along its leading axis."""
+        size = batch_size(batch)
+        if size % self.mesh.size:
+            name = leaves_with_paths(batch, "batch")[0][0]
+            raise ValueError(
+                f"Cannot shard batch leaf {name} with B={size} examples over "
+                f"n={self.mesh.size} devices: B % n = {size % self.mesh.size}. Pad "
+                "it with `jdp.pad_batch(batch, n)` and pass the mask in the batch."
+            )
+        return jax.device_put(batch, self._sharded)
+
+
+def pmap(
+    step: Step,
+    *,
+    axis_name: str = AXIS_NAME,
+    donate_state: bool = True,
+    devices: Sequence[jax.Device] | None = None,
+) -> PmapStep:
+    """Runs a per-replica step on every local device with ``jax.pmap``.
+
+    Args:
+      step: ``(state, batch) -> (state, metrics)``, e.g. from
+        :func:`jdp.make_train_step`.
+      axis_name: the data axis; must match the step's.
+      donate_state: donate the input state's buffers to the output (the
+        caller must not reuse the old state). Pass False for evaluation steps.
+      devices: default ``jax.local_devices()``.
+
+    Returns:
+      A :class:`PmapStep`: call it with a replicated state and a sharded batch.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jdp
+      >>> step = jdp.pmap(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
+      >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
+      >>> state, metrics = step(state, step.shard(np.ones(8, np.float32)))
+      >>> round(float(step.unreplicate(state).params), 4)
+      0.8
+    """
+    return PmapStep(step, axis_name=axis_name, donate_state=donate_state, devices=devices)
+
+
+def shard_map(
+    step: Step,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str = AXIS_NAME,
+    donate_state: bool = True,
+) -> ShardMapStep:
+    """Runs a per-replica step with ``jax.jit(jax.shard_map(...))`` on a 1-D mesh.
+
+    The same step as under :func:`jdp.pmap`, with the layout modern JAX
+    recommends: replicated global state, a globally sharded batch.
+
+    Args:
+      step: ``(state, batch) -> (state, metrics)``, e.g. from
+        :func:`jdp.make_train_step`.
+      mesh: a 1-D mesh with the axis ``axis_name`` (default: every device).
+      axis_name: the data axis; must match the step's.
+      donate_state: donate the input state's buffers to the output.
+
+    Returns:
+      A :class:`ShardMapStep`.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jdp
+      >>> step = jdp.shard_map(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
+      >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
+      >>> state, metrics = step(state, step.shard(np.ones(8, np.float32)))
+      >>> round(float(step.unreplicate(state).params), 4), metrics["loss"].shape
+      (0.8, (8,))
+    """
+    return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
+
+
+def _check_state(state: PyTree, n: int, *, expected_ndim: int, layout: str) -> None:
+    if not isinstance(state, TrainState):
+        return
+    ndim = np.ndim(state.step)
+    if ndim == expected_ndim and (layout != "pmap" or state.step.shape[0] == n):
+        return
+    if layout == "pmap" and ndim == 1:
+        raise ValueError(
+            f"The state is replicated for {state.step.shape[0]} devices but this "
+            f"step runs on {n}. Re-place it: state = jdp.replicate(jdp.unreplicate(state))."
+        )
+    if layout == "pmap":
+        raise ValueError(
+            "The state is not replicated: state.step has shape "
+            f"{np.shape(state.step)}, expected ({n},). Call state = step.replicate(state) "
+            "(or jdp.replicate(state)) before the first step."
+        )
+    raise ValueError(
+        "jdp.shard_map expects the state as global replicated arrays (state.step "
+        f"of shape ()), got state.step of shape {np.shape(state.step)}. Use "
+        "state = step.replicate(state) on an unreplicated state."
+    )
+
+
+def _check_leading(batch: PyTree, n: int) -> None:
+    for leaf in jax.tree.leaves(batch):
+        if not hasattr(leaf, "shape") or not leaf.shape or leaf.shape[0] != n:
+            break
+    else:
+        return
+    for name, leaf in leaves_with_paths(batch, "batch"):
+        if not leaf.shape or leaf.shape[0] != n:
+            raise ValueError(
+                f"Batch leaf {name} has shape {leaf.shape}, but a pmap step on {n} "
+                f"devices expects a leading device axis of {n}: pass "
+                "step.shard(batch) (or jdp.shard(batch))."
+            )

@@ -1,0 +1,165 @@
+"""One copy of a pytree per device: replicate, read back, broadcast, check."""
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jdp.sharding import AXIS_NAME, leaves_with_paths, local_mesh
+from jdp.types import PyTree
+
+
+def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
+    """Puts one identical copy of ``tree`` on every local device.
+
+    Each leaf of shape ``S`` becomes a global array of shape ``(n, *S)``
+    sharded along its leading axis, the layout ``jax.pmap`` consumes and
+    produces. This is the initial parameter sync of data-parallel training.
+
+    Args:
+      tree: a pytree of arrays or Python/NumPy scalars.
+      devices: the devices (default: ``jax.local_devices()``).
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> jdp.replicate({"w": jnp.ones(3)})["w"].shape
+      (8, 3)
+    """
+    mesh = local_mesh(devices)
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS_NAME))
+    devices = list(mesh.devices.flat)
+
+    def put(x):
+        x = jnp.asarray(x)[None]
+        copies = [jax.device_put(x, d) for d in devices]
+        return jax.make_array_from_single_device_arrays(
+            (len(devices),) + x.shape[1:], sharding, copies
+        )
+
+    return jax.tree.map(put, tree)
+
+
+def unreplicate(tree: PyTree) -> PyTree:
+    """Returns replica 0 of a replicated pytree, without a global gather.
+
+    Works on both layouts: a leading device axis (``jdp.replicate``, pmap
+    outputs) and global arrays replicated across a mesh
+    (``jdp.shard_map(...).replicate``), whose local copy is returned.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> jdp.unreplicate(jdp.replicate({"w": jnp.ones(3)}))["w"].shape
+      (3,)
+    """
+    for name, leaf in leaves_with_paths(tree, "unreplicate input"):
+        if leaf.ndim == 0 and not _is_mesh_replicated(leaf):
+            raise ValueError(
+                f"unreplicate expects a leading device axis, but leaf {name} is "
+                "a scalar: was the tree replicated?"
+            )
+    return jax.tree.map(_replica0, tree)
+
+
+def _is_mesh_replicated(x) -> bool:
+    """A global array held whole on every device (the shard_map layout)."""
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(x.sharding, NamedSharding)
+        and all(axis is None for axis in x.sharding.spec)
+    )
+
+
+def _replica0(x):
+    if _is_mesh_replicated(x):
+        return x.addressable_shards[0].data
+    if isinstance(x, jax.Array):
+        for s in x.addressable_shards:
+            if s.index[0].start in (0, None):
+                return s.data.reshape(x.shape[1:])
+    return x[0]
+
+
+def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
+    """Copies replica 0 to every device, outside a step (e.g. after a restore).
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> state = jdp.sync_replicas(jdp.replicate({"w": jnp.ones(3)}))
+      >>> jdp.assert_replicas_in_sync(state)
+    """
+    def sync(x):
+        if _is_mesh_replicated(x):
+            return jax.device_put(_replica0(x), x.sharding)
+        return replicate(_replica0(x), devices)
+
+    unreplicate(tree)  # validates the layout, naming any bad leaf
+    return jax.tree.map(sync, tree)
+
+
+def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTree:
+    """Inside a step: every replica receives replica ``source``'s values.
+
+    Caffe2's ``_Broadcast`` as a collective over ``axis_name``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> f = jax.pmap(lambda x: jdp.broadcast(x, "batch", 3), axis_name="batch")
+      >>> f(jnp.arange(8.0)).tolist()
+      [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
+    """
+    if isinstance(source, bool) or not isinstance(source, int) or source < 0:
+        raise ValueError(f"broadcast: source must be a replica index >= 0, got {source!r}.")
+    return jax.tree.map(lambda x: _pbroadcast(x, axis_name, source), tree)
+
+
+def _pbroadcast(x, axis_name, source):
+    if x.dtype == jnp.bool_:
+        return lax.pbroadcast(x.astype(jnp.uint8), axis_name, source).astype(jnp.bool_)
+    return lax.pbroadcast(x, axis_name, source)
+
+
+def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
+    """Raises if any replica of any leaf differs from replica 0 by more than ``atol``.
+
+    NaNs in the same places count as equal.
+
+    Raises:
+      AssertionError: naming the first differing leaf path, the replica and
+        the largest absolute difference.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}))
+    """
+    for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
+        replicas = _replicas(leaf)
+        ref = replicas[0]
+        for i, other in enumerate(replicas[1:], start=1):
+            if not _close(ref, other, atol):
+                diff = np.abs(ref.astype(np.float64) - other.astype(np.float64))
+                raise AssertionError(
+                    f"Replicas out of sync at leaf {name}: replica {i} differs "
+                    f"from replica 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
+                    "Call jdp.sync_replicas(tree) to re-broadcast replica 0."
+                )
+
+
+def _replicas(x) -> list[np.ndarray]:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if _is_mesh_replicated(x):
+        return [np.asarray(jax.device_get(s.data)) for s in x.addressable_shards]
+    if isinstance(x, jax.Array):
+        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        blocks = [np.asarray(jax.device_get(s.data)) for s in shards]
+        return [row for block in blocks for row in block]
+    return list(np.asarray(x))
+
+
+def _close(a: np.ndarray, b: np.ndarray, atol: float) -> bool:
+    if a.dtype.kind not in "fc":
+        return np.array_equal(a, b)
+    return np.allclose(a, b, rtol=0.0, atol=atol, equal_nan=True)

@@ -1,0 +1,143 @@
+"""Splitting a global batch along a leading device axis, and back."""
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jdp.types import PyTree
+
+AXIS_NAME = "batch"
+
+
+def local_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D mesh over ``devices`` (default: the local devices) named ``"batch"``."""
+    devices = jax.local_devices() if devices is None else list(devices)
+    return Mesh(np.asarray(devices), (AXIS_NAME,))
+
+
+def leaves_with_paths(tree: PyTree, what: str) -> list[tuple[str, jax.Array]]:
+    """``(path, leaf)`` pairs, with a TypeError for leaves that are not arrays."""
+    pairs = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path) or "<root>"
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise TypeError(
+                f"{what} must be a pytree of arrays, but leaf {name} is a "
+                f"{type(leaf).__name__} ({leaf!r:.60}). Convert it with "
+                "np.asarray or move it out of the batch."
+            )
+        pairs.append((name, leaf))
+    return pairs
+
+
+def batch_size(tree: PyTree, what: str = "batch") -> int:
+    """The leading dimension shared by every leaf of ``tree``.
+
+    Raises:
+      TypeError: a leaf is not an array.
+      ValueError: a leaf is a scalar, the tree is empty, or two leaves
+        disagree; the message names both leaves.
+    """
+    pairs = leaves_with_paths(tree, what)
+    if not pairs:
+        raise ValueError(f"{what} has no array leaves; got {tree!r:.80}.")
+    first_name, first = pairs[0]
+    for name, leaf in pairs:
+        if leaf.ndim == 0:
+            raise ValueError(
+                f"{what} leaf {name} is a scalar; every leaf needs a leading "
+                "batch dimension."
+            )
+        if leaf.shape[0] != first.shape[0]:
+            raise ValueError(
+                f"{what} leaves disagree on the batch size: {first_name} has "
+                f"{first.shape[0]} examples (shape {first.shape}) but {name} "
+                f"has {leaf.shape[0]} (shape {leaf.shape})."
+            )
+    return first.shape[0]
+
+
+def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
+    """Splits a global batch into one contiguous block per local device.
+
+    Every leaf of shape ``(B, ...)`` becomes ``(n, B // n, ...)``, placed so
+    that block ``i`` lives on device ``i``: the layout ``jax.pmap`` consumes.
+
+    Args:
+      tree: a pytree of arrays sharing the leading batch dimension ``B``.
+      devices: the devices to split over (default: ``jax.local_devices()``).
+
+    Returns:
+      The same pytree with leaves of shape ``(n, B // n, ...)``.
+
+    Raises:
+      ValueError: ``B`` is not divisible by ``n`` (pad with
+        :func:`jdp.pad_batch`), or leaves disagree on ``B``.
+      TypeError: a leaf is not an array.
+
+    Example:
+      >>> import numpy as np, jdp
+      >>> jdp.shard({"x": np.zeros((16, 3))})["x"].shape
+      (8, 2, 3)
+    """
+    mesh = local_mesh(devices)
+    n = mesh.size
+    size = batch_size(tree)
+    if size % n:
+        name = leaves_with_paths(tree, "batch")[0][0]
+        raise ValueError(
+            f"Cannot shard batch leaf {name} with B={size} examples over n={n} "
+            f"devices: B % n = {size % n}. Use a batch size divisible by {n}, "
+            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` (or "
+            'BatchIterator(..., remainder="pad")) and pass the mask to the step.'
+        )
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS_NAME))
+    return jax.tree.map(
+        lambda x: jax.device_put(x.reshape((n, size // n) + x.shape[1:]), sharding),
+        tree,
+    )
+
+
+def unshard(tree: PyTree) -> PyTree:
+    """Merges the leading device axis back: ``(n, b, ...)`` -> ``(n * b, ...)``.
+
+    Example:
+      >>> import numpy as np, jdp
+      >>> jdp.unshard({"x": np.zeros((8, 2, 3))})["x"].shape
+      (16, 3)
+    """
+    for name, leaf in leaves_with_paths(tree, "unshard input"):
+        if leaf.ndim < 2:
+            raise ValueError(
+                f"unshard expects leaves of shape (n, b, ...), but {name} has "
+                f"shape {leaf.shape}."
+            )
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
+def pad_batch(tree: PyTree, multiple: int) -> tuple[PyTree, np.ndarray]:
+    """Pads a batch with zeros to a multiple of ``multiple`` examples.
+
+    Returns the padded batch and a boolean mask, True for real examples. Put
+    the mask in a dict batch under ``"mask"``: the step then weights every
+    replica by its number of real examples (see :func:`jdp.make_train_step`).
+
+    Example:
+      >>> import numpy as np, jdp
+      >>> padded, mask = jdp.pad_batch({"x": np.ones((5, 2))}, 4)
+      >>> padded["x"].shape, mask.tolist()
+      ((8, 2), [True, True, True, True, True, False, False, False])
+    """
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"pad_batch: multiple must be an int >= 1, got {multiple!r}.")
+    size = batch_size(tree)
+    padded = -(-size // multiple) * multiple
+    mask = np.arange(padded) < size
+
+    def pad(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((padded - size,) + x.shape[1:], x.dtype)])
+
+    return jax.tree.map(pad, tree), mask
