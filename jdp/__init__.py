@@ -13,6 +13,7 @@ from jdp.replication import (
     assert_replicas_in_sync,
     broadcast,
     replicate,
+    replicate_across,
     sync_replicas,
     unreplicate,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "reduce_gradients",
     "replica_rng",
     "replicate",
+    "replicate_across",
     "shard",
     "shard_map",
     "sync_replicas",

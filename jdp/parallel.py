@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.devices import warn_if_cpu_pool_unsafe
-from jdp.replication import replicate, unreplicate
+from jdp.replication import replicate, replicate_across, unreplicate
 from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths, local_mesh, shard
 from jdp.state import TrainState
 from jdp.types import PyTree
@@ -91,7 +91,6 @@ class ShardMapStep:
             )
         self.mesh = mesh
         self.axis_name = axis_name
-        self._replicated = NamedSharding(mesh, PartitionSpec())
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
 
         def per_replica(state, batch):
@@ -121,8 +120,8 @@ class ShardMapStep:
         return self._fn(state, batch)
 
     def replicate(self, tree: PyTree) -> PyTree:
-        """One global copy of ``tree``, replicated across the mesh."""
-        return jax.device_put(tree, self._replicated)
+        """One global copy of ``tree``, replicated across the mesh (never aliased)."""
+        return replicate_across(tree, self.mesh)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """The local copy of replicated state (see :func:`jdp.unreplicate`)."""

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.sharding import AXIS_NAME, leaves_with_paths, local_mesh
 from jdp.types import PyTree
@@ -28,18 +28,38 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
       >>> jdp.replicate({"w": jnp.ones(3)})["w"].shape
       (8, 3)
     """
-    mesh = local_mesh(devices)
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS_NAME))
-    devices = list(mesh.devices.flat)
+    sharding = NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
+    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), tree)
 
-    def put(x):
-        x = jnp.asarray(x)[None]
-        copies = [jax.device_put(x, d) for d in devices]
-        return jax.make_array_from_single_device_arrays(
-            (len(devices),) + x.shape[1:], sharding, copies
-        )
 
-    return jax.tree.map(put, tree)
+def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
+    """One global copy of ``tree`` held whole on every device of ``mesh``.
+
+    The state layout of :func:`jdp.shard_map`: no leading device axis.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> w = jdp.replicate_across({"w": jnp.ones(3)}, jax.make_mesh((8,), ("batch",)))["w"]
+      >>> w.shape, w.sharding.is_fully_replicated
+      ((3,), True)
+    """
+    sharding = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), tree)
+
+
+def _copy_to_every_device(x, sharding: NamedSharding) -> jax.Array:
+    # One explicit copy per device: jax.device_put(x, sharding) reuses x's own
+    # buffer for the device x lives on (even with may_alias=False), and
+    # donating the replicated state would then delete the caller's array.
+    x = jnp.asarray(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _copy_to_every_device(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    leading = sharding.spec != PartitionSpec()
+    block = x[None] if leading else x
+    copies = [jax.device_put(block, d, may_alias=False) for d in sharding.addressable_devices]
+    shape = (sharding.mesh.size,) + x.shape if leading else x.shape
+    return jax.make_array_from_single_device_arrays(shape, sharding, copies)
 
 
 def unreplicate(tree: PyTree) -> PyTree:
@@ -92,7 +112,7 @@ def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> 
     """
     def sync(x):
         if _is_mesh_replicated(x):
-            return jax.device_put(_replica0(x), x.sharding)
+            return _copy_to_every_device(_replica0(x), x.sharding)
         return replicate(_replica0(x), devices)
 
     unreplicate(tree)  # validates the layout, naming any bad leaf

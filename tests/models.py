@@ -1,0 +1,122 @@
+"""Small models and reference training loops shared by the tests."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+}
+
+
+def mlp_params(seed=0, din=6, hidden=16, dout=3):
+    r = np.random.RandomState(seed)
+    return {
+        "w1": jnp.asarray(r.randn(din, hidden) / np.sqrt(din), jnp.float32),
+        "b1": jnp.zeros(hidden, jnp.float32),
+        "w2": jnp.asarray(r.randn(hidden, dout) / np.sqrt(hidden), jnp.float32),
+    }
+
+
+def mlp_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def regression_batch(size, seed=1, din=6, dout=3):
+    r = np.random.RandomState(seed)
+    return {
+        "x": r.randn(size, din).astype(np.float32),
+        "y": r.randn(size, dout).astype(np.float32),
+    }
+
+
+class Classifier(nn.Module):
+    """Dense -> BatchNorm -> ReLU -> Dropout -> Dense."""
+
+    @nn.compact
+    def __call__(self, x, *, train: bool):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        x = nn.Dropout(0.5, deterministic=not train)(x)
+        return nn.Dense(4)(x)
+
+
+def classifier_variables(seed=0, din=6):
+    return Classifier().init(jax.random.key(seed), jnp.zeros((1, din)), train=False)
+
+
+def classification_batch(size, seed=2, din=6):
+    r = np.random.RandomState(seed)
+    return {
+        "x": r.randn(size, din).astype(np.float32),
+        "label": r.randint(0, 4, size).astype(np.int32),
+    }
+
+
+def classifier_eval_mode_loss(params, batch, model_state):
+    """Batch norm on running averages and dropout off: per-example independent."""
+    logits = Classifier().apply(
+        {"params": params, "batch_stats": model_state}, batch["x"], train=False
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, model_state
+
+
+def classifier_train_loss(params, batch, model_state, rng):
+    logits, updates = Classifier().apply(
+        {"params": params, "batch_stats": model_state},
+        batch["x"],
+        train=True,
+        rngs={"dropout": rng},
+        mutable=["batch_stats"],
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+    return loss, updates["batch_stats"]
+
+
+def train_single_device(loss_fn, params, tx, batches, model_state=None):
+    """Plain single-device training on the global batches: the reference."""
+
+    @jax.jit
+    def step(params, opt_state, model_state, batch):
+        if model_state is None:
+            grads = jax.grad(loss_fn)(params, batch)
+        else:
+            grads, model_state = jax.grad(loss_fn, has_aux=True)(params, batch, model_state)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, model_state
+
+    opt_state = tx.init(params)
+    for batch in batches:
+        params, opt_state, model_state = step(params, opt_state, model_state, batch)
+    return params, opt_state
+
+
+def devices(n):
+    return jax.local_devices()[:n]
+
+
+def backend(name, step, n, **kwargs):
+    """Wraps ``step`` with backend ``name`` on the first ``n`` devices."""
+    import jdp
+
+    if name == "pmap":
+        return jdp.pmap(step, devices=devices(n), **kwargs)
+    mesh = jax.sharding.Mesh(np.asarray(devices(n)), ("batch",))
+    return jdp.shard_map(step, mesh=mesh, **kwargs)
+
+
+def assert_trees_close(actual, expected, rtol=1e-5, atol=0.0):
+    flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
+    flat_e = jax.tree.leaves(expected)
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
+        )
