@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.devices import warn_if_cpu_pool_unsafe
 from jdp.replication import replicate, replicate_across, unreplicate
-from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths, local_mesh, shard
+from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths, shard
 from jdp.state import TrainState
 from jdp.types import PyTree
 

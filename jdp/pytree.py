@@ -37,21 +37,19 @@ def dataclass(cls: type[_T]) -> type[_T]:
         return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in meta)
 
     def flatten_with_keys(obj):
-        return list(zip(keys, (getattr(obj, n) for n in data))), tuple(
+        return list(zip(keys, (getattr(obj, n) for n in data), strict=True)), tuple(
             getattr(obj, n) for n in meta
         )
 
     def unflatten(aux, children):
         obj = object.__new__(cls)
-        for name, value in zip(meta, aux):
+        for name, value in zip(meta, aux, strict=True):
             object.__setattr__(obj, name, value)
-        for name, value in zip(data, children):
+        for name, value in zip(data, children, strict=True):
             object.__setattr__(obj, name, value)
         return obj
 
-    jax.tree_util.register_pytree_with_keys(
-        cls, flatten_with_keys, unflatten, flatten_func=flatten
-    )
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten_func=flatten)
     return cls
 
 

@@ -110,6 +110,7 @@ def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> 
       >>> state = jdp.sync_replicas(jdp.replicate({"w": jnp.ones(3)}))
       >>> jdp.assert_replicas_in_sync(state)
     """
+
     def sync(x):
         if _is_mesh_replicated(x):
             return _copy_to_every_device(_replica0(x), x.sharding)
@@ -136,9 +137,13 @@ def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTr
 
 
 def _pbroadcast(x, axis_name, source):
-    if x.dtype == jnp.bool_:
-        return lax.pbroadcast(x.astype(jnp.uint8), axis_name, source).astype(jnp.bool_)
-    return lax.pbroadcast(x, axis_name, source)
+    # lax.pbroadcast is not lowered under pmap; a masked psum is exact (every
+    # other replica adds zeros) and runs under both backends.
+    dtype = x.dtype
+    if dtype == jnp.bool_:
+        x = x.astype(jnp.int32)
+    masked = jnp.where(lax.axis_index(axis_name) == source, x, jnp.zeros_like(x))
+    return lax.psum(masked, axis_name).astype(dtype)
 
 
 def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:

@@ -47,8 +47,7 @@ def batch_size(tree: PyTree, what: str = "batch") -> int:
     for name, leaf in pairs:
         if leaf.ndim == 0:
             raise ValueError(
-                f"{what} leaf {name} is a scalar; every leaf needs a leading "
-                "batch dimension."
+                f"{what} leaf {name} is a scalar; every leaf needs a leading batch dimension."
             )
         if leaf.shape[0] != first.shape[0]:
             raise ValueError(
@@ -111,8 +110,7 @@ def unshard(tree: PyTree) -> PyTree:
     for name, leaf in leaves_with_paths(tree, "unshard input"):
         if leaf.ndim < 2:
             raise ValueError(
-                f"unshard expects leaves of shape (n, b, ...), but {name} has "
-                f"shape {leaf.shape}."
+                f"unshard expects leaves of shape (n, b, ...), but {name} has shape {leaf.shape}."
             )
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 

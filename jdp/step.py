@@ -170,7 +170,9 @@ def make_train_step(
             "batch; 'sum': sum of per-replica gradients)."
         )
     if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
-        raise TypeError(f"make_train_step: accumulate_steps must be an int, got {accumulate_steps!r}.")
+        raise TypeError(
+            f"make_train_step: accumulate_steps must be an int, got {accumulate_steps!r}."
+        )
     if accumulate_steps < 1:
         raise ValueError(f"make_train_step: accumulate_steps must be >= 1, got {accumulate_steps}.")
     if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
@@ -186,7 +188,9 @@ def make_train_step(
                 extra["model_state"] = model_state
             if has_rng:
                 extra["rng"] = rng
-            out = loss_fn(cast_floating(p, compute_dtype), cast_floating(batch, compute_dtype), **extra)
+            out = loss_fn(
+                cast_floating(p, compute_dtype), cast_floating(batch, compute_dtype), **extra
+            )
             loss, new_model_state, aux = _unpack(out, has_aux, has_model_state)
             loss = jnp.asarray(loss).astype(jnp.float32)
             return state.loss_scale.scale(loss), (loss, new_model_state, aux)
@@ -199,11 +203,15 @@ def make_train_step(
     def accumulate(state, batch, rng, mask):
         params, model_state = state.params, state.model_state
         if accumulate_steps == 1:
-            grads, loss, model_state, aux = local_loss_and_grads(state, params, model_state, batch, rng)
+            grads, loss, model_state, aux = local_loss_and_grads(
+                state, params, model_state, batch, rng
+            )
             if mask is None:
                 return grads, loss, model_state, aux, None
             count = jnp.sum(mask.astype(jnp.float32))
-            grads = jax.tree.map(lambda g: jnp.where(count > 0, g * count.astype(g.dtype), 0), grads)
+            grads = jax.tree.map(
+                lambda g: jnp.where(count > 0, g * count.astype(g.dtype), 0), grads
+            )
             return grads, loss, model_state, aux, count
 
         size = batch_size(batch)
@@ -224,7 +232,9 @@ def make_train_step(
                 else jnp.sum(micro_batch[MASK_KEY].astype(jnp.float32))
             )
             grad_sum = jax.tree.map(
-                lambda s, g: s + jnp.where(weight > 0, g * weight.astype(g.dtype), 0), grad_sum, grads
+                lambda s, g: s + jnp.where(weight > 0, g * weight.astype(g.dtype), 0),
+                grad_sum,
+                grads,
             )
             return (grad_sum, model_state), (loss, aux, weight)
 

@@ -116,7 +116,7 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=0.0):
     flat_a = jax.tree_util.tree_flatten_with_path(actual)[0]
     flat_e = jax.tree.leaves(expected)
     assert len(flat_a) == len(flat_e)
-    for (path, a), e in zip(flat_a, flat_e):
+    for (path, a), e in zip(flat_a, flat_e, strict=True):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
         )

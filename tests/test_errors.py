@@ -1,0 +1,156 @@
+"""Every user error gets a clear message that says what and how to fix it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from tests import models
+
+
+def state():
+    return jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1))
+
+
+def batch(size=16):
+    return models.regression_batch(size)
+
+
+def run(loss_fn, data=None, **kwargs):
+    step = jdp.pmap(jdp.make_train_step(loss_fn, **kwargs))
+    return step(step.replicate(state()), step.shard(data or batch()))
+
+
+def test_non_scalar_loss():
+    with pytest.raises(ValueError, match=r"scalar loss, got shape \(2, 3\).*jnp.mean"):
+        run(lambda p, b: (b["x"] @ p["w1"] @ p["w2"]) - b["y"])
+
+
+def test_integer_loss():
+    with pytest.raises(TypeError, match="floating loss, got dtype int32"):
+        run(lambda p, b: jnp.sum(b["y"] > 0))
+
+
+def test_batch_that_is_not_a_pytree_of_arrays():
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(TypeError, match=r"leaf \['tag'\] is a str"):
+        step(step.replicate(state()), {**step.shard(batch()), "tag": "train"})
+
+
+def test_unsharded_batch():
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(
+        ValueError, match=r"\['x'\] has shape \(16, 6\).*leading device axis of 8.*shard"
+    ):
+        step(step.replicate(state()), batch())
+
+
+def test_state_not_replicated():
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(
+        ValueError, match=r"not replicated: state.step has shape \(\), expected \(8,\)"
+    ):
+        step(state(), step.shard(batch()))
+
+
+def test_state_replicated_for_another_device_count():
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    four = jdp.replicate(state(), devices=jax.local_devices()[:4])
+    with pytest.raises(ValueError, match="replicated for 4 devices but this step runs on 8"):
+        step(four, step.shard(batch()))
+
+
+def test_shard_map_state_with_a_device_axis():
+    step = jdp.shard_map(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(ValueError, match=r"global replicated arrays .* shape \(8,\)"):
+        step(jdp.replicate(state()), step.shard(batch()))
+
+
+def test_state_of_the_wrong_type():
+    step = jdp.make_train_step(models.mlp_loss)
+    with pytest.raises(TypeError, match="state must be a jdp.TrainState, got dict"):
+        jax.pmap(step, axis_name="batch")(jdp.replicate({"p": 1.0}), jdp.shard(batch()))
+
+
+def test_accumulate_steps_must_divide_the_replica_batch():
+    with pytest.raises(
+        ValueError, match="accumulate_steps=3 does not divide the per-replica batch of 2"
+    ):
+        run(models.mlp_loss, accumulate_steps=3)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_accumulate_steps_must_be_positive(bad):
+    with pytest.raises(ValueError, match=f"accumulate_steps must be >= 1, got {bad}"):
+        jdp.make_train_step(models.mlp_loss, accumulate_steps=bad)
+
+
+def test_unknown_grad_reduce():
+    with pytest.raises(
+        ValueError, match=r"unknown grad_reduce='avg'; expected one of \('mean', 'sum'\)"
+    ):
+        jdp.make_train_step(models.mlp_loss, grad_reduce="avg")
+
+
+def test_compute_dtype_must_be_floating():
+    with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
+        jdp.make_train_step(models.mlp_loss, compute_dtype=jnp.int8)
+
+
+def test_rng_requested_without_a_key():
+    with pytest.raises(ValueError, match=r"has_rng=True\) needs a key.*rng=jax.random.key\(0\)"):
+        run(lambda p, b, rng: models.mlp_loss(p, b), has_rng=True)
+
+
+def test_wrong_return_structure():
+    with pytest.raises(TypeError, match=r"must return \(loss, aux\) \(has_aux=True"):
+        run(models.mlp_loss, has_aux=True)
+
+
+def test_aux_must_be_a_dict():
+    with pytest.raises(TypeError, match="aux must be a dict of arrays.*got tuple"):
+        run(lambda p, b: (models.mlp_loss(p, b), (1.0,)), has_aux=True)
+
+
+def test_aux_may_not_shadow_jdp_metrics():
+    with pytest.raises(ValueError, match=r"aux keys \['loss'\] are reserved"):
+        run(lambda p, b: (models.mlp_loss(p, b), {"loss": 1.0}), has_aux=True)
+
+
+def test_axis_name_mismatch():
+    with pytest.raises(
+        ValueError, match="built with axis_name='data' but jdp.pmap binds axis_name='batch'"
+    ):
+        jdp.pmap(jdp.make_train_step(models.mlp_loss, axis_name="data"))
+
+
+def test_shard_map_mesh_needs_the_data_axis():
+    mesh = jax.make_mesh((8,), ("x",))
+    with pytest.raises(ValueError, match=r"1-D mesh with the axis 'batch', got axes \('x',\)"):
+        jdp.shard_map(jdp.make_train_step(models.mlp_loss), mesh=mesh)
+
+
+def test_shard_map_indivisible_batch():
+    step = jdp.shard_map(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(ValueError, match=r"B=12 examples over n=8 devices.*pad_batch"):
+        step.shard(batch(12))
+
+
+def test_train_state_rejects_non_optax_tx():
+    with pytest.raises(TypeError, match="tx must be an optax.GradientTransformation"):
+        jdp.TrainState.create(params={}, tx=0.1)
+
+
+def test_train_state_rejects_a_seed_as_rng():
+    with pytest.raises(
+        TypeError, match=r"rng must be a PRNG key such as jax.random.key\(0\), got 0"
+    ):
+        jdp.TrainState.create(params={}, tx=optax.sgd(0.1), rng=0)
+
+
+def test_mask_must_be_one_dimensional():
+    data = {**batch(), "mask": np.ones((16, 2), bool)}
+    with pytest.raises(ValueError, match=r"1-D per-example mask, got shape \(2, 2\)"):
+        run(models.mlp_loss, data)
