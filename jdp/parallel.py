@@ -58,6 +58,10 @@ class PmapStep:
         _check_leading(batch, n)
         return self._fn(state, batch)
 
+    def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
+        """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
+        return self._fn.lower(state, batch)
+
     def replicate(self, tree: PyTree) -> PyTree:
         """One copy per device with a leading device axis (see :func:`jdp.replicate`)."""
         return replicate(tree, self.devices)
@@ -118,6 +122,10 @@ class ShardMapStep:
                 f"{self.mesh.size} devices; pad it with jdp.pad_batch."
             )
         return self._fn(state, batch)
+
+    def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
+        """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
+        return self._fn.lower(state, batch)
 
     def replicate(self, tree: PyTree) -> PyTree:
         """One global copy of ``tree``, replicated across the mesh (never aliased)."""
