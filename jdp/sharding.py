@@ -89,8 +89,8 @@ def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
         raise ValueError(
             f"Cannot shard batch leaf {name} with B={size} examples over n={n} "
             f"devices: B % n = {size % n}. Use a batch size divisible by {n}, "
-            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` (or "
-            'BatchIterator(..., remainder="pad")) and pass the mask to the step.'
+            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` and pass the "
+            'mask in the batch as batch["mask"].'
         )
     sharding = NamedSharding(mesh, PartitionSpec(AXIS_NAME))
     return jax.tree.map(
