@@ -19,6 +19,7 @@ Usage: python benchmarks/run.py [--rounds 7] [--steps 100] [--json out.json]
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -45,7 +46,7 @@ def init_params(seed=0):
             "w": jnp.asarray(r.randn(a, b) / np.sqrt(a), jnp.float32),
             "b": jnp.zeros(b, jnp.float32),
         }
-        for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:], strict=True))
+        for i, (a, b) in enumerate(itertools.pairwise(SIZES))
     }
 
 

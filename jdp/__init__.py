@@ -1,5 +1,6 @@
 """jdp: synchronous data-parallel training for JAX."""
 
+from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.devices import force_cpu_devices
 from jdp.loss_scale import (
     DynamicLossScale,
@@ -30,6 +31,8 @@ from jdp.step import (
 from jdp.types import PyTree
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
     "DynamicLossScale",
     "LossScale",
     "NoOpLossScale",

@@ -12,7 +12,12 @@ NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
     notebook = nbformat.read(path, as_version=4)
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
+    NotebookClient(
+        notebook,
+        timeout=600,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
     errors = [
         output
         for cell in notebook.cells

@@ -1,0 +1,355 @@
+"""Checkpoints on Orbax: one copy written atomically, restored in sync everywhere.
+
+Caffe2's ``FinalizeAfterCheckpoint`` re-broadcast parameters and the iteration
+counter after a load; here the whole training state is restored replicated
+and in sync on the current devices, whatever device count wrote it.
+"""
+
+import json
+import pathlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding
+
+from jdp.replication import replicate, replicate_across, unreplicate
+from jdp.state import TrainState
+from jdp.types import PyTree
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """No intact checkpoint could be restored."""
+
+
+class Checkpointer:
+    """Saves and restores training state with ``orbax.checkpoint.CheckpointManager``.
+
+    Each checkpoint holds one copy of the state (replica 0, written by process
+    0) as Orbax arrays (no pickles) plus a JSON item with ``extra`` and the
+    static fields of the loss scale. Orbax writes into a temporary directory
+    and renames it when complete, so a run killed mid-write leaves the
+    previous checkpoints intact.
+
+    Args:
+      directory: where step directories live; created if missing.
+      max_to_keep: keep only the newest this many checkpoints (None: all).
+      async_save: write in a background thread; call
+        :meth:`wait_until_finished` before reading or exiting.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, jdp
+      >>> state = jdp.replicate(jdp.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1)))
+      >>> ckpt = jdp.Checkpointer(tempfile.mkdtemp())
+      >>> ckpt.save(0, state, extra={"epoch": 1})
+      >>> restored, extra = ckpt.restore(state)
+      >>> extra, restored.params.shape
+      ({'epoch': 1}, (8, 3))
+    """
+
+    def __init__(
+        self,
+        directory: str | pathlib.Path,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = False,
+    ):
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(
+                f"Checkpointer: max_to_keep must be None or an int >= 1, got {max_to_keep!r}."
+            )
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.PyTreeCheckpointHandler(),
+                "meta": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def save(self, step: int, state: PyTree, *, extra: dict[str, Any] | None = None) -> None:
+        """Writes ``state`` (as the loop holds it, replicated or not) as checkpoint ``step``.
+
+        Args:
+          step: the checkpoint's number, usually ``int(state.step)``.
+          state: a TrainState or any pytree of arrays.
+          extra: small JSON-able things saved with it (iterator position, config).
+
+        Raises:
+          TypeError: ``extra`` is not JSON-serializable.
+          ValueError: a checkpoint ``step`` already exists.
+        """
+        step = int(step)
+        meta = {"format": FORMAT_VERSION, "static": _static_fields(state), "extra": extra}
+        try:
+            json.dumps(meta, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"Checkpointer.save: extra must be JSON-serializable (dicts, lists, str, "
+                f"int, float, bool, None); {e}."
+            ) from None
+        if step in self._manager.all_steps():
+            raise ValueError(
+                f"Checkpointer.save: checkpoint {step} already exists in {self.directory}."
+            )
+        arrays = _nest({parts: _host(leaf) for parts, _, leaf in _leaves(_one_copy(state))})
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(arrays), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+
+    def restore(
+        self,
+        template: PyTree,
+        step: int | None = None,
+        *,
+        place: Callable[[PyTree], PyTree] | None = None,
+    ) -> tuple[PyTree, dict[str, Any] | None]:
+        """Restores a checkpoint into the structure of ``template``.
+
+        Args:
+          template: a state of the same structure, shapes and dtypes (e.g. a
+            freshly created, or the current, TrainState); its static fields
+            (optimizer, loss-scale hyperparameters) and layout are kept.
+          step: which checkpoint; default the newest intact one. A damaged
+            newest checkpoint is skipped with a warning naming it.
+          place: how to place the restored single copy; default the
+            template's layout: ``jdp.replicate`` on its devices (pmap layout,
+            also for an unreplicated template) or ``jdp.replicate_across`` on
+            its mesh (shard_map layout).
+
+        Returns:
+          ``(state, extra)``: the state replicated and in sync on the current
+          devices, and the ``extra`` saved with it.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint (or no checkpoint ``step``).
+          ValueError: the checkpoint does not match the template; the message
+            names the leaf and both shapes and dtypes.
+          CheckpointError: every candidate checkpoint is damaged.
+        """
+        steps = self.all_steps()
+        if step is not None:
+            if int(step) not in steps:
+                raise FileNotFoundError(
+                    f"No checkpoint {step} in {self.directory}; available: {steps}."
+                )
+            candidates = [int(step)]
+        else:
+            candidates = sorted(steps, reverse=True)
+        if not candidates:
+            raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+        expected = _leaves(_one_copy(template))
+        failures = []
+        for candidate in candidates:
+            try:
+                saved = _metadata_tree(self._manager.item_metadata(candidate)["state"])
+            except Exception as e:  # damaged metadata: try an older checkpoint
+                failures.append((candidate, e))
+                continue
+            _check_layout(saved, expected, candidate)
+            try:
+                restored = self._manager.restore(candidate, args=_restore_args(expected))
+            except Exception as e:  # damaged data: try an older checkpoint
+                failures.append((candidate, e))
+                continue
+            meta = restored["meta"]
+            _check_static(meta["static"], _static_fields(template), candidate)
+            if failures:
+                warnings.warn(
+                    f"Skipped damaged checkpoint(s) {_describe(failures)} in {self.directory}; "
+                    f"restored step {candidate}.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            state = _rebuild(template, expected, _flatten_nested(restored["state"]))
+            return (place or _placement_like(template))(state), meta["extra"]
+        raise CheckpointError(
+            f"No intact checkpoint in {self.directory}: {_describe(failures)}. "
+            "Delete the damaged step directories or start from scratch."
+        )
+
+    def latest_step(self) -> int | None:
+        """The newest checkpoint's step, or None."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Every complete checkpoint's step, oldest first."""
+        return sorted(self._manager.all_steps())
+
+    def wait_until_finished(self) -> None:
+        """Blocks until an asynchronous save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases Orbax's resources."""
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _first_sharding(tree: PyTree) -> NamedSharding | None:
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            return leaf.sharding if isinstance(leaf.sharding, NamedSharding) else None
+    return None
+
+
+def _one_copy(tree: PyTree) -> PyTree:
+    """Replica 0 of a replicated tree (either layout); other trees unchanged."""
+    return tree if _first_sharding(tree) is None else unreplicate(tree)
+
+
+def _placement_like(template: PyTree) -> Callable[[PyTree], PyTree]:
+    sharding = _first_sharding(template)
+    if sharding is None:
+        return replicate
+    if all(axis is None for axis in sharding.spec):
+        return lambda tree: replicate_across(tree, sharding.mesh)
+    devices = list(sharding.mesh.devices.flat)
+    return lambda tree: replicate(tree, devices)
+
+
+def _part(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _leaves(tree: PyTree) -> list[tuple[tuple[str, ...], str, Any]]:
+    """``(orbax key parts, printable path, leaf)`` for every leaf."""
+    return [
+        (tuple(_part(k) for k in path), jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _host(leaf) -> np.ndarray:
+    if _is_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    return np.asarray(jax.device_get(leaf))
+
+
+def _spec(leaf) -> tuple[tuple[int, ...], np.dtype]:
+    if _is_key(leaf):
+        data = jax.eval_shape(jax.random.key_data, leaf)
+        return tuple(data.shape), np.dtype(data.dtype)
+    return tuple(np.shape(leaf)), np.dtype(
+        leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    )
+
+
+def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
+    root: dict = {}
+    for parts, value in flat.items():
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1] if parts else "value"] = value
+    return root
+
+
+def _flatten_nested(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten_nested(value, (*prefix, key)))
+        else:
+            flat[(*prefix, key)] = value
+    return flat
+
+
+def _metadata_tree(metadata) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+    tree = getattr(metadata, "tree", metadata)
+    return {
+        parts: (tuple(m.shape), np.dtype(m.dtype)) for parts, m in _flatten_nested(tree).items()
+    }
+
+
+def _check_layout(saved, expected, step: int) -> None:
+    wanted = {parts if parts else ("value",): (name, _spec(leaf)) for parts, name, leaf in expected}
+    for parts, (name, (shape, dtype)) in wanted.items():
+        if parts not in saved:
+            raise ValueError(
+                f"Checkpoint {step} does not match the template: it has no leaf {name}. "
+                "Restore with a template of the model that wrote it."
+            )
+        if saved[parts] != (shape, dtype):
+            s_shape, s_dtype = saved[parts]
+            raise ValueError(
+                f"Checkpoint {step} does not match the template at leaf {name}: saved "
+                f"shape {s_shape} dtype {s_dtype}, template expects shape {shape} dtype {dtype}."
+            )
+    unexpected = sorted("/".join(p) for p in set(saved) - set(wanted))
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint {step} does not match the template: it has leaves the template "
+            f"lacks: {unexpected[:5]}."
+        )
+
+
+def _restore_args(expected) -> ocp.args.Composite:
+    restore_args = _nest(
+        {parts: ocp.RestoreArgs(restore_type=np.ndarray) for parts, _, _ in expected}
+    )
+    return ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(restore_args=restore_args), meta=ocp.args.JsonRestore()
+    )
+
+
+def _rebuild(template: PyTree, expected, arrays: dict) -> PyTree:
+    leaves = []
+    for parts, _, leaf in expected:
+        value = arrays[parts if parts else ("value",)]
+        if _is_key(leaf):
+            value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
+        leaves.append(value)
+    return jax.tree.unflatten(jax.tree.structure(_one_copy(template)), leaves)
+
+
+def _static_fields(state: PyTree) -> dict[str, Any]:
+    if not isinstance(state, TrainState):
+        return {}
+    scale = state.loss_scale
+    fields = {
+        name: getattr(scale, name)
+        for name in ("period", "factor", "min_loss_scale")
+        if hasattr(scale, name)
+    }
+    return {"loss_scale": {"type": type(scale).__name__, **fields}}
+
+
+def _check_static(saved: dict, expected: dict, step: int) -> None:
+    if saved != expected:
+        raise ValueError(
+            f"Checkpoint {step} was written with static settings {saved}, but the "
+            f"template has {expected}. Restore with a template built like the saved "
+            "run (e.g. the same DynamicLossScale hyperparameters), then change them "
+            "with state.replace(...) if you mean to."
+        )
+
+
+def _describe(failures) -> str:
+    return "; ".join(
+        f"step {s} ({type(e).__name__}: {str(e).splitlines()[0][:200]})" for s, e in failures
+    )
