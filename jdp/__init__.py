@@ -1,7 +1,10 @@
 """jdp: synchronous data-parallel training for JAX."""
 
 from jdp.checkpoint import Checkpointer, CheckpointError
+from jdp.data import BatchIterator, prefetch_to_device
 from jdp.devices import force_cpu_devices
+from jdp.evaluation import evaluate, make_eval_step
+from jdp.loop import History, fit
 from jdp.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -31,9 +34,11 @@ from jdp.step import (
 from jdp.types import PyTree
 
 __all__ = [
+    "BatchIterator",
     "CheckpointError",
     "Checkpointer",
     "DynamicLossScale",
+    "History",
     "LossScale",
     "NoOpLossScale",
     "PmapStep",
@@ -46,11 +51,15 @@ __all__ = [
     "average_model_state",
     "broadcast",
     "cast_floating",
+    "evaluate",
+    "fit",
     "force_cpu_devices",
+    "make_eval_step",
     "make_train_step",
     "masked_mean",
     "pad_batch",
     "pmap",
+    "prefetch_to_device",
     "reduce_gradients",
     "replica_rng",
     "replicate",

@@ -2,9 +2,9 @@
 
 python tests/resume_run.py DIR STEPS [--resume]: trains STEPS steps of an MLP
 with Adam and a dynamic loss scale on 8 CPU devices, checkpointing every 5
-steps (asynchronously) with the data position in `extra`, and writes the
-final params to DIR/final.npz. Batches 7 and 23 carry an inf, so the loss
-scale moves and two steps are skipped.
+steps (asynchronously) with the BatchIterator's position in `extra`, and
+writes the final params to DIR/final.npz. Two examples carry an inf, so the
+loss scale moves and the two steps that draw them are skipped.
 """
 
 import sys
@@ -22,11 +22,10 @@ import optax  # noqa: E402
 from tests import models  # noqa: E402
 
 
-def batch(i):
-    b = models.regression_batch(32, seed=1000 + i)
-    if i in (7, 23):
-        b["x"][3, 0] = np.inf
-    return b
+def dataset():
+    data = models.regression_batch(200, seed=1000)
+    data["x"][[17, 150], 0] = np.inf  # every epoch, two batches overflow
+    return data
 
 
 def main(directory, steps, resume):
@@ -39,18 +38,17 @@ def main(directory, steps, resume):
             rng=jax.random.key(3),
         )
     )
-    position = 0
+    data = jdp.BatchIterator(dataset(), 32, seed=4)
     with jdp.Checkpointer(f"{directory}/ckpt", max_to_keep=2, async_save=True) as ckpt:
         if resume:
             state, extra = ckpt.restore(state)
-            position = extra["position"]
-            print("resumed", position, flush=True)
-        while position < steps:
-            state, _ = step(state, step.shard(batch(position)))
-            position += 1
-            if position % 5 == 0:
-                ckpt.save(position, state, extra={"position": position})
-            print("step", position, flush=True)
+            data.set_state(extra["data"])
+            print("resumed", data.iteration, flush=True)
+        while data.iteration < steps:
+            state, _ = step(state, step.shard(next(data)))
+            if data.iteration % 5 == 0:
+                ckpt.save(data.iteration, state, extra={"data": data.get_state()})
+            print("step", data.iteration, flush=True)
     final = jdp.unreplicate(state)
     np.savez(
         f"{directory}/final.npz",

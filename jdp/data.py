@@ -1,0 +1,206 @@
+"""Host-side input: a deterministic batch iterator and device prefetching."""
+
+import collections
+import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jdp.sharding import batch_size as leading_size
+from jdp.sharding import shard
+from jdp.step import MASK_KEY
+from jdp.types import PyTree
+
+REMAINDERS = ("drop", "pad")
+
+
+class BatchIterator:
+    """Deterministic, resumable mini-batches over a pytree of host arrays.
+
+    Each epoch is a fresh permutation drawn from ``(seed, epoch)``, so a run
+    that restores :meth:`get_state` continues with exactly the batches it
+    would have seen. Like Chainer's iterators, ``epoch`` advances and
+    ``is_new_epoch`` is True right after the batch that completes an epoch.
+
+    Args:
+      data: a pytree of NumPy arrays sharing a leading example axis.
+      batch_size: the global batch size; a multiple of ``num_devices *
+        process_count``.
+      shuffle: draw a new permutation every epoch (else keep data order).
+      seed: the shuffling seed, shared by every process.
+      remainder: ``"drop"`` the last incomplete batch, or ``"pad"`` it with
+        zeros to the full batch size; with ``"pad"`` every batch carries a
+        boolean ``"mask"`` (``data`` must then be a dict).
+      repeat: run forever (training) or stop after one epoch (evaluation).
+      num_devices: devices per process the batch is split over (default
+        ``jax.local_device_count()``).
+      process_index, process_count: this process's slice of every global
+        batch (multi-process runs); every process shuffles alike.
+
+    Example:
+      >>> import numpy as np, jdp
+      >>> it = jdp.BatchIterator({"x": np.arange(20)}, 8, shuffle=False, remainder="pad")
+      >>> [b["mask"].sum() for b in [next(it), next(it), next(it)]], it.epoch, it.is_new_epoch
+      ([8, 8, 4], 1, True)
+    """
+
+    def __init__(
+        self,
+        data: PyTree,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        remainder: str = "drop",
+        repeat: bool = True,
+        num_devices: int | None = None,
+        process_index: int = 0,
+        process_count: int = 1,
+    ):
+        self.size = leading_size(data, "BatchIterator data")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise TypeError(f"BatchIterator: batch_size must be an int, got {batch_size!r}.")
+        if batch_size < 1:
+            raise ValueError(f"BatchIterator: batch_size must be >= 1, got {batch_size}.")
+        if remainder not in REMAINDERS:
+            raise ValueError(
+                f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
+            )
+        if not 0 <= process_index < process_count:
+            raise ValueError(
+                f"BatchIterator: process_index must be in [0, {process_count}), got {process_index}."
+            )
+        num_devices = jax.local_device_count() if num_devices is None else num_devices
+        split = num_devices * process_count
+        if batch_size % split:
+            raise ValueError(
+                f"BatchIterator: batch_size={batch_size} is not divisible by the "
+                f"{split} devices it is split over ({num_devices} per process x "
+                f"{process_count} process(es)); use a multiple of {split}."
+            )
+        if remainder == "pad" and not (isinstance(data, Mapping) and MASK_KEY not in data):
+            raise ValueError(
+                'BatchIterator(remainder="pad") adds a "mask" entry, so data must be a '
+                f'dict without a "mask" key; got {type(data).__name__}.'
+            )
+        if remainder == "drop" and self.size < batch_size:
+            raise ValueError(
+                f"BatchIterator: {self.size} examples make no full batch of {batch_size}; "
+                'use remainder="pad" or a smaller batch.'
+            )
+        self.data = jax.tree.map(np.asarray, data)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.remainder = remainder
+        self.repeat = repeat
+        self.process_index = process_index
+        self.process_count = process_count
+        self.epoch = 0
+        self.iteration = 0
+        self.is_new_epoch = False
+        self._position = 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        if self.remainder == "drop":
+            return self.size // self.batch_size
+        return -(-self.size // self.batch_size)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.size)
+        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> PyTree:
+        if not self.repeat and self.epoch > 0:
+            raise StopIteration
+        start = self._position * self.batch_size
+        indices = self._order(self.epoch)[start : start + self.batch_size]
+        real = len(indices)
+        local = self.batch_size // self.process_count
+        lo, hi = self.process_index * local, (self.process_index + 1) * local
+        mine = indices[lo:hi]
+        batch = jax.tree.map(lambda x: _take_padded(x, mine, local), self.data)
+        if self.remainder == "pad":
+            batch = {**batch, MASK_KEY: np.arange(lo, hi) < real}
+        self._position += 1
+        self.iteration += 1
+        self.is_new_epoch = self._position == self.batches_per_epoch
+        if self.is_new_epoch:
+            self.epoch += 1
+            self._position = 0
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        """A JSON-able position, for ``Checkpointer.save(..., extra=...)``."""
+        return {
+            "epoch": self.epoch,
+            "position": self._position,
+            "iteration": self.iteration,
+            "seed": self.seed,
+            "size": self.size,
+            "batch_size": self.batch_size,
+        }
+
+    def set_state(self, state: Mapping[str, Any]) -> None:
+        """Continues from a :meth:`get_state` of an iterator over the same data."""
+        for key in ("seed", "size", "batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"BatchIterator.set_state: saved {key}={state[key]} but this "
+                    f"iterator has {key}={getattr(self, key)}; resume over the same "
+                    "data, batch size and seed."
+                )
+        self.epoch = int(state["epoch"])
+        self._position = int(state["position"])
+        self.iteration = int(state["iteration"])
+        self.is_new_epoch = False
+
+
+def _take_padded(x: np.ndarray, indices: np.ndarray, size: int) -> np.ndarray:
+    out = np.zeros((size, *x.shape[1:]), x.dtype)
+    out[: len(indices)] = x[indices]
+    return out
+
+
+def prefetch_to_device(
+    iterator: Iterable[PyTree],
+    size: int = 2,
+    shard_fn: Callable[[PyTree], PyTree] = shard,
+) -> Iterator[PyTree]:
+    """Shards and places the next ``size`` batches while the current step runs.
+
+    Device transfers are asynchronous, so keeping ``size`` batches in flight
+    overlaps input copies with computation.
+
+    Args:
+      iterator: host batches.
+      size: batches placed ahead, >= 1.
+      shard_fn: how to place a batch: ``jdp.shard`` (pmap layout) or a wrapped
+        step's ``shard`` method (e.g. ``jdp.shard_map(...).shard``).
+
+    Example:
+      >>> import numpy as np, jdp
+      >>> batches = [{"x": np.full((8, 2), i, np.float32)} for i in range(3)]
+      >>> [float(b["x"][0, 0, 0]) for b in jdp.prefetch_to_device(batches)]
+      [0.0, 1.0, 2.0]
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"prefetch_to_device: size must be an int >= 1, got {size!r}.")
+    iterator = iter(iterator)
+    queue: collections.deque = collections.deque()
+
+    def enqueue(n):
+        for batch in itertools.islice(iterator, n):
+            queue.append(shard_fn(batch))
+
+    enqueue(size)
+    while queue:
+        yield queue.popleft()
+        enqueue(1)

@@ -1,0 +1,106 @@
+"""fit: progress, evaluation, epoch hooks, checkpoints and resume; the demo end to end."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from tests import models
+
+DATA = models.regression_batch(200, seed=7)
+TEST = models.regression_batch(45, seed=8)
+
+
+def per_example_error(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return {"mse": jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1)}
+
+
+def run_fit(num_steps, checkpointer=None, epochs=None, backend="pmap"):
+    train_step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8)
+    eval_step = models.backend(backend, jdp.make_eval_step(per_example_error), 8)
+    state = train_step.replicate(
+        jdp.TrainState.create(
+            params=models.mlp_params(),
+            tx=optax.adam(1e-2),
+            loss_scale=jdp.DynamicLossScale(jnp.float32(2.0**8), period=7),
+        )
+    )
+
+    def on_epoch_end(epoch, state):
+        if epochs is not None:
+            epochs.append((epoch, int(jdp.unreplicate(state).step)))
+
+    return jdp.fit(
+        train_step,
+        state,
+        jdp.BatchIterator(DATA, 32, seed=1),
+        num_steps=num_steps,
+        eval_step=eval_step,
+        eval_data=lambda: jdp.BatchIterator(TEST, 16, shuffle=False, remainder="pad", repeat=False),
+        eval_every=10,
+        checkpointer=checkpointer,
+        checkpoint_every=10,
+        on_epoch_end=on_epoch_end,
+        log_every=5,
+        progress=False,
+    )
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_fit_trains_logs_and_evaluates(backend):
+    epochs = []
+    state, history = run_fit(30, epochs=epochs, backend=backend)
+    assert int(jdp.unreplicate(state).step) == 30
+    assert [row["step"] for row in history.train] == [5, 10, 15, 20, 25, 30]
+    assert len(history.train[0]["loss_per_replica"]) == 8
+    assert history.train[0]["loss"] == pytest.approx(np.mean(history.train[0]["loss_per_replica"]))
+    assert [row["step"] for row in history.eval] == [10, 20, 30]
+    assert all(row["count"] == 45 for row in history.eval)
+    assert history.eval[-1]["mse"] < history.eval[0]["mse"]
+    # 200 examples, batches of 32: 6 per epoch; the hook runs after steps 6, 12, ...
+    assert epochs == [(1, 6), (2, 12), (3, 18), (4, 24), (5, 30)]
+
+
+def test_fit_resumes_from_the_latest_checkpoint_to_the_same_result(tmp_path):
+    straight, _ = run_fit(30)
+    with jdp.Checkpointer(tmp_path) as ckpt:
+        run_fit(20, checkpointer=ckpt)
+    with jdp.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.latest_step() == 20
+        resumed, history = run_fit(30, checkpointer=ckpt)
+        assert ckpt.all_steps() == [10, 20, 30]
+    assert [row["step"] for row in history.train] == [25, 30]
+    a, b = jdp.unreplicate(straight), jdp.unreplicate(resumed)
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a.params), jax.device_get(b.params))
+    assert float(a.loss_scale.loss_scale) == float(b.loss_scale.loss_scale)
+
+
+def test_demo_end_to_end(tmp_path):
+    from jdp import demo
+
+    result = demo.main(["--steps", "150", "--eval-every", "50", "--out", str(tmp_path), "--quiet"])
+    assert result["test_examples"] == 357 and result["steps"] == 150
+    assert result["test_accuracy"] >= 0.9
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (
+        json.loads((tmp_path / "result.json").read_text())["test_accuracy"]
+        == result["test_accuracy"]
+    )
+    assert result["checkpoint_steps"][-1] == 150
+    with jdp.Checkpointer(tmp_path / "checkpoints") as ckpt:
+        assert ckpt.latest_step() == 150
+
+
+def test_demo_help_explains_the_flags():
+    out = subprocess.run(
+        [sys.executable, "-m", "jdp.demo", "--help"], capture_output=True, text=True, check=True
+    )
+    for flag in ("--devices", "--steps", "--batch-size", "--precision", "--out", "--backend"):
+        assert flag in out.stdout
