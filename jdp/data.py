@@ -42,7 +42,7 @@ class BatchIterator:
     Example:
       >>> import numpy as np, jdp
       >>> it = jdp.BatchIterator({"x": np.arange(20)}, 8, shuffle=False, remainder="pad")
-      >>> [b["mask"].sum() for b in [next(it), next(it), next(it)]], it.epoch, it.is_new_epoch
+      >>> [int(b["mask"].sum()) for b in [next(it), next(it), next(it)]], it.epoch, it.is_new_epoch
       ([8, 8, 4], 1, True)
     """
 
