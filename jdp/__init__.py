@@ -1,5 +1,6 @@
 """jdp: synchronous data-parallel training for JAX."""
 
+from jdp import distributed
 from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.data import BatchIterator, prefetch_to_device
 from jdp.devices import force_cpu_devices
@@ -16,6 +17,7 @@ from jdp.parallel import PmapStep, ShardMapStep, pmap, shard_map
 from jdp.replication import (
     assert_replicas_in_sync,
     broadcast,
+    gather_replicas,
     replicate,
     replicate_across,
     sync_replicas,
@@ -51,9 +53,11 @@ __all__ = [
     "average_model_state",
     "broadcast",
     "cast_floating",
+    "distributed",
     "evaluate",
     "fit",
     "force_cpu_devices",
+    "gather_replicas",
     "make_eval_step",
     "make_train_step",
     "masked_mean",

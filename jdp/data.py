@@ -37,7 +37,8 @@ class BatchIterator:
       num_devices: devices per process the batch is split over (default
         ``jax.local_device_count()``).
       process_index, process_count: this process's slice of every global
-        batch (multi-process runs); every process shuffles alike.
+        batch; default ``jax.process_index()`` and ``jax.process_count()``.
+        Every process shuffles alike.
 
     Example:
       >>> import numpy as np, jdp
@@ -56,8 +57,8 @@ class BatchIterator:
         remainder: str = "drop",
         repeat: bool = True,
         num_devices: int | None = None,
-        process_index: int = 0,
-        process_count: int = 1,
+        process_index: int | None = None,
+        process_count: int | None = None,
     ):
         self.size = leading_size(data, "BatchIterator data")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -68,6 +69,8 @@ class BatchIterator:
             raise ValueError(
                 f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
             )
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= process_index < process_count:
             raise ValueError(
                 f"BatchIterator: process_index must be in [0, {process_count}), got {process_index}."

@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from jdp.checkpoint import Checkpointer
 from jdp.data import BatchIterator, prefetch_to_device
 from jdp.evaluation import evaluate
-from jdp.replication import unreplicate
+from jdp.replication import gather_replicas, unreplicate
 from jdp.types import PyTree
 
 
@@ -128,7 +128,7 @@ def _step_of(state: PyTree) -> int:
 
 
 def _log_row(step: int, metrics: dict, examples_per_s: float) -> dict[str, Any]:
-    host = jax.device_get(metrics)
+    host = gather_replicas(metrics)
     row: dict[str, Any] = {"step": step, "examples_per_s": examples_per_s}
     for name, value in host.items():
         value = np.asarray(value)

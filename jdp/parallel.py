@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp.devices import warn_if_cpu_pool_unsafe
+from jdp.distributed import check_initialized
 from jdp.replication import replicate, replicate_across, unreplicate
 from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths, shard
 from jdp.state import TrainState
@@ -42,12 +43,15 @@ class PmapStep:
 
     def __init__(self, step: Step, *, axis_name: str, donate_state: bool, devices):
         _check_axis_name(step, axis_name, "pmap")
+        check_initialized()
+        # devices=None maps over every process's devices; each process feeds
+        # and receives arrays over its local ones.
         self.devices = list(devices) if devices is not None else jax.local_devices()
         self.axis_name = axis_name
         self._fn = jax.pmap(
             step,
             axis_name=axis_name,
-            devices=self.devices,
+            devices=None if devices is None else self.devices,
             donate_argnums=(0,) if donate_state else (),
         )
         warn_if_cpu_pool_unsafe(len(self.devices))
@@ -86,6 +90,7 @@ class ShardMapStep:
 
     def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool):
         _check_axis_name(step, axis_name, "shard_map")
+        check_initialized()
         if mesh is None:
             mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
         if mesh.axis_names != (axis_name,):
@@ -136,16 +141,24 @@ class ShardMapStep:
         return unreplicate(tree)
 
     def shard(self, batch: PyTree) -> PyTree:
-        """A global ``(B, ...)`` batch, sharded along its leading axis."""
+        """A global ``(B, ...)`` batch, sharded along its leading axis.
+
+        ``batch`` is this process's part (the whole batch in a single
+        process); the parts of all processes, in process order, form the
+        global batch.
+        """
         size = batch_size(batch)
-        if size % self.mesh.size:
+        local = len(self._sharded.addressable_devices)
+        if size % local:
             name = leaves_with_paths(batch, "batch")[0][0]
             raise ValueError(
                 f"Cannot shard batch leaf {name} with B={size} examples over "
-                f"n={self.mesh.size} devices: B % n = {size % self.mesh.size}. Pad "
+                f"n={local} devices: B % n = {size % local}. Pad "
                 "it with `jdp.pad_batch(batch, n)` and pass the mask in the batch."
             )
-        return jax.device_put(batch, self._sharded)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._sharded, np.asarray(x)), batch
+        )
 
 
 def pmap(
@@ -163,7 +176,8 @@ def pmap(
       axis_name: the data axis; must match the step's.
       donate_state: donate the input state's buffers to the output (the
         caller must not reuse the old state). Pass False for evaluation steps.
-      devices: default ``jax.local_devices()``.
+      devices: default: every device of every process (each process passes
+        arrays over its local devices).
 
     Returns:
       A :class:`PmapStep`: call it with a replicated state and a sharded batch.

@@ -6,18 +6,48 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdp.distributed import check_initialized
 from jdp.sharding import AXIS_NAME, leaves_with_paths, local_mesh
 from jdp.types import PyTree
+
+
+def from_process0(tree: PyTree) -> PyTree:
+    """Process 0's values on every process (a collective when there are several).
+
+    The multi-process parameter sync of Caffe2's MPI broadcast; a no-op in a
+    single process.
+    """
+    check_initialized()
+    if jax.process_count() == 1:
+        return tree
+    keys = jax.tree.map(_is_key, tree)
+    data = jax.tree.map(lambda x, k: jax.random.key_data(x) if k else x, tree, keys)
+    data = multihost_utils.broadcast_one_to_all(data)
+    impls = jax.tree.map(lambda x, k: jax.random.key_impl(x) if k else None, tree, keys)
+    return jax.tree.map(
+        lambda x, k, impl: jax.random.wrap_key_data(x, impl=impl) if k else x,
+        data,
+        keys,
+        impls,
+        is_leaf=lambda x: x is None,
+    )
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
     """Puts one identical copy of ``tree`` on every local device.
 
-    Each leaf of shape ``S`` becomes a global array of shape ``(n, *S)``
-    sharded along its leading axis, the layout ``jax.pmap`` consumes and
-    produces. This is the initial parameter sync of data-parallel training.
+    Each leaf of shape ``S`` becomes an array of shape ``(n, *S)`` sharded
+    along its leading axis, the layout ``jax.pmap`` consumes and produces.
+    This is the initial parameter sync of data-parallel training; with
+    several processes, every process first receives process 0's values, so
+    all start identical even when they were seeded differently.
 
     Args:
       tree: a pytree of arrays or Python/NumPy scalars.
@@ -29,13 +59,14 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
       (8, 3)
     """
     sharding = NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
-    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), tree)
+    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), from_process0(tree))
 
 
 def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
     """One global copy of ``tree`` held whole on every device of ``mesh``.
 
-    The state layout of :func:`jdp.shard_map`: no leading device axis.
+    The state layout of :func:`jdp.shard_map`: no leading device axis. With
+    several processes, process 0's values are used everywhere.
 
     Example:
       >>> import jax, jax.numpy as jnp, jdp
@@ -44,7 +75,7 @@ def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
       ((3,), True)
     """
     sharding = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), tree)
+    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), from_process0(tree))
 
 
 def _copy_to_every_device(x, sharding: NamedSharding) -> jax.Array:
@@ -96,10 +127,36 @@ def _replica0(x):
     if _is_mesh_replicated(x):
         return x.addressable_shards[0].data
     if isinstance(x, jax.Array):
-        for s in x.addressable_shards:
-            if s.index[0].start in (0, None):
-                return s.data.reshape(x.shape[1:])
+        # The first replica this process holds: replica 0 in a single process.
+        first = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return first.data[0]
     return x[0]
+
+
+def gather_replicas(tree: PyTree) -> PyTree:
+    """Every replica's values from every process, as host NumPy arrays.
+
+    For per-replica outputs such as a step's metrics: each leaf comes back
+    with a leading axis over all replicas of the job, in replica order. With
+    several processes this is a collective.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jdp
+      >>> out = jax.pmap(lambda x: x * 2, axis_name="batch")(jnp.arange(8.0))
+      >>> jdp.gather_replicas({"y": out})["y"].tolist()
+      [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    """
+    if jax.process_count() == 1:
+        return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+    def gather(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(
+            multihost_utils.process_allgather(np.asarray(jax.device_get(x)), tiled=True)
+        )
+
+    return jax.tree.map(gather, tree)
 
 
 def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
@@ -111,13 +168,17 @@ def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> 
       >>> jdp.assert_replicas_in_sync(state)
     """
 
-    def sync(x):
-        if _is_mesh_replicated(x):
-            return _copy_to_every_device(_replica0(x), x.sharding)
-        return replicate(_replica0(x), devices)
-
     unreplicate(tree)  # validates the layout, naming any bad leaf
-    return jax.tree.map(sync, tree)
+    copy = from_process0(jax.tree.map(_replica0, tree))
+
+    def place(x, value):
+        if _is_mesh_replicated(x):
+            return _copy_to_every_device(value, x.sharding)
+        return _copy_to_every_device(
+            value, NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
+        )
+
+    return jax.tree.map(place, tree, copy)
 
 
 def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTree:
@@ -151,9 +212,12 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
 
     NaNs in the same places count as equal.
 
+    With several processes, each process's replicas are also compared with
+    process 0's (a collective: every process must call it).
+
     Raises:
-      AssertionError: naming the first differing leaf path, the replica and
-        the largest absolute difference.
+      AssertionError: naming the first differing leaf path, the replica (or
+        process) and the largest absolute difference.
 
     Example:
       >>> import jax.numpy as jnp, jdp
@@ -169,6 +233,21 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
                     f"Replicas out of sync at leaf {name}: replica {i} differs "
                     f"from replica 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
                     "Call jdp.sync_replicas(tree) to re-broadcast replica 0."
+                )
+    if jax.process_count() > 1:
+        _assert_processes_agree(tree, atol)
+
+
+def _assert_processes_agree(tree: PyTree, atol: float) -> None:
+    for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
+        rows = np.asarray(multihost_utils.process_allgather(_replicas(leaf)[0]))
+        for p in range(1, rows.shape[0]):
+            if not _close(rows[0], rows[p], atol):
+                diff = np.abs(rows[0].astype(np.float64) - rows[p].astype(np.float64))
+                raise AssertionError(
+                    f"Processes out of sync at leaf {name}: process {p} differs from "
+                    f"process 0 by up to {np.nanmax(diff):.6g} (atol={atol}). Call "
+                    "jdp.sync_replicas(tree) to re-broadcast process 0's replica 0."
                 )
 
 
