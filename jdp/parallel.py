@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jdp.devices import warn_if_cpu_pool_unsafe
 from jdp.distributed import check_initialized
 from jdp.replication import replicate, replicate_across, unreplicate
-from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths, shard
+from jdp.sharding import AXIS_NAME, divisible_batch_size, leaves_with_paths, shard
 from jdp.state import TrainState
 from jdp.types import PyTree
 
@@ -120,12 +120,7 @@ class ShardMapStep:
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
         _check_state(state, self.mesh.size, expected_ndim=0, layout="shard_map")
-        size = batch_size(batch)
-        if size % self.mesh.size:
-            raise ValueError(
-                f"The global batch of {size} examples does not split over "
-                f"{self.mesh.size} devices; pad it with jdp.pad_batch."
-            )
+        divisible_batch_size(batch, self.mesh.size)
         return self._fn(state, batch)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
@@ -147,15 +142,7 @@ class ShardMapStep:
         process); the parts of all processes, in process order, form the
         global batch.
         """
-        size = batch_size(batch)
-        local = len(self._sharded.addressable_devices)
-        if size % local:
-            name = leaves_with_paths(batch, "batch")[0][0]
-            raise ValueError(
-                f"Cannot shard batch leaf {name} with B={size} examples over "
-                f"n={local} devices: B % n = {size % local}. Pad "
-                "it with `jdp.pad_batch(batch, n)` and pass the mask in the batch."
-            )
+        divisible_batch_size(batch, len(self._sharded.addressable_devices))
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self._sharded, np.asarray(x)), batch
         )

@@ -58,6 +58,20 @@ def batch_size(tree: PyTree, what: str = "batch") -> int:
     return first.shape[0]
 
 
+def divisible_batch_size(tree: PyTree, n: int) -> int:
+    """The batch size ``B`` of ``tree``, checked to split over ``n`` devices."""
+    size = batch_size(tree)
+    if size % n:
+        name = leaves_with_paths(tree, "batch")[0][0]
+        raise ValueError(
+            f"Cannot shard batch leaf {name} with B={size} examples over n={n} "
+            f"devices: B % n = {size % n}. Use a batch size divisible by {n}, "
+            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` and pass the "
+            'mask in the batch as batch["mask"].'
+        )
+    return size
+
+
 def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
     """Splits a global batch into one contiguous block per local device.
 
@@ -83,15 +97,7 @@ def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
     """
     mesh = local_mesh(devices)
     n = mesh.size
-    size = batch_size(tree)
-    if size % n:
-        name = leaves_with_paths(tree, "batch")[0][0]
-        raise ValueError(
-            f"Cannot shard batch leaf {name} with B={size} examples over n={n} "
-            f"devices: B % n = {size % n}. Use a batch size divisible by {n}, "
-            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` and pass the "
-            'mask in the batch as batch["mask"].'
-        )
+    size = divisible_batch_size(tree, n)
     sharding = NamedSharding(mesh, PartitionSpec(AXIS_NAME))
     return jax.tree.map(
         lambda x: jax.device_put(x.reshape((n, size // n) + x.shape[1:]), sharding),

@@ -2,9 +2,12 @@
 
 import doctest
 import importlib
+import os
 import pathlib
 import pkgutil
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -18,13 +21,37 @@ MODULES = sorted(
 )
 
 
+MULTIPROCESS = "import jdp.distributed"
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_docs_page_runs(page):
+def test_docs_page_runs(page, tmp_path):
     blocks = BLOCK.findall(page.read_text())
     assert blocks, f"{page.name} has no python examples"
     namespace = {"__name__": f"docs_{page.stem}"}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
+        if block.startswith(MULTIPROCESS):
+            _launch(block, tmp_path / f"{page.stem}_{i}.py")
+        else:
+            exec(compile(block, f"{page.name}[block {i}]", "exec"), namespace)
+
+
+def _launch(block: str, script: pathlib.Path) -> None:
+    """A multi-process example runs as 2 processes x 2 CPU devices."""
+    script.write_text(block)
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "jdp.launch",
+        "--processes",
+        "2",
+        "--devices-per-process",
+        "2",
+        str(script),
+    ]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-4000:]
 
 
 @pytest.mark.parametrize("name", MODULES)

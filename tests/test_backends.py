@@ -1,0 +1,102 @@
+"""The same step under pmap and shard_map gives the same parameters (rtol 1e-6)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from tests import models
+
+
+def _masked_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    return jdp.masked_mean(jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1), batch["mask"])
+
+
+def _padded(i):
+    batch, mask = jdp.pad_batch(models.regression_batch(19, seed=40 + i), 32)
+    return {**batch, "mask": mask}
+
+
+def _overflowing(i):
+    batch = models.regression_batch(32, seed=50 + i)
+    if i == 2:
+        batch["x"][9, 1] = np.inf
+    return batch
+
+
+CASES = {
+    "mean": (
+        lambda: jdp.make_train_step(models.mlp_loss),
+        lambda i: models.regression_batch(32, seed=i),
+        {},
+    ),
+    "sum": (
+        lambda: jdp.make_train_step(models.mlp_loss, grad_reduce="sum"),
+        lambda i: models.regression_batch(32, seed=i),
+        {},
+    ),
+    "accumulate": (
+        lambda: jdp.make_train_step(models.mlp_loss, accumulate_steps=4),
+        lambda i: models.regression_batch(32, seed=i),
+        {},
+    ),
+    "mask": (lambda: jdp.make_train_step(_masked_loss), _padded, {}),
+    "dynamic_loss_scale": (
+        lambda: jdp.make_train_step(models.mlp_loss, compute_dtype=jnp.float16),
+        _overflowing,
+        {"loss_scale": jdp.DynamicLossScale(jnp.float32(2.0**10), period=2)},
+    ),
+}
+
+
+def _train(backend, case):
+    make_step, batch_at, extra = CASES[case]
+    step = models.backend(backend, make_step(), 8)
+    state = step.replicate(
+        jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2), **extra)
+    )
+    for i in range(5):
+        state, metrics = step(state, step.shard(batch_at(i)))
+    return jdp.unreplicate(state), metrics
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_backends_agree(case):
+    p, pm = _train("pmap", case)
+    s, sm = _train("shard_map", case)
+    models.assert_trees_close(s.params, p.params, rtol=1e-6, atol=1e-8)
+    models.assert_trees_close(s.opt_state, p.opt_state, rtol=1e-6, atol=1e-8)
+    assert (
+        int(s.skipped_steps) == int(p.skipped_steps) == (1 if case == "dynamic_loss_scale" else 0)
+    )
+    np.testing.assert_allclose(sm["loss"], pm["loss"], rtol=1e-6)
+    assert sm["loss"].shape == pm["loss"].shape == (8,)
+
+
+def test_backends_agree_on_model_state_and_rng():
+    variables = models.classifier_variables()
+    out = {}
+    for backend in ("pmap", "shard_map"):
+        step = models.backend(
+            backend,
+            jdp.make_train_step(models.classifier_train_loss, has_model_state=True, has_rng=True),
+            8,
+        )
+        state = step.replicate(
+            jdp.TrainState.create(
+                params=variables["params"],
+                tx=optax.adam(1e-2),
+                model_state=variables["batch_stats"],
+                rng=jax.random.key(5),
+            )
+        )
+        for i in range(3):
+            state, _ = step(state, step.shard(models.classification_batch(32, seed=i)))
+        out[backend] = jdp.unreplicate(state)
+    models.assert_trees_close(out["shard_map"].params, out["pmap"].params, rtol=1e-6, atol=1e-8)
+    models.assert_trees_close(
+        out["shard_map"].model_state, out["pmap"].model_state, rtol=1e-6, atol=1e-8
+    )
