@@ -119,8 +119,9 @@ def _host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
+@pytest.mark.parametrize("bad_value", [np.inf, np.nan])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_overflow_in_one_replica_skips_everywhere_and_changes_nothing(backend):
+def test_overflow_in_one_replica_skips_everywhere_and_changes_nothing(backend, bad_value):
     tx = optax.adam(1e-2)
     state = jdp.TrainState.create(
         params=models.mlp_params(), tx=tx, loss_scale=jdp.DynamicLossScale(jnp.float32(2.0**15))
@@ -132,7 +133,7 @@ def test_overflow_in_one_replica_skips_everywhere_and_changes_nothing(backend):
     before = _host(step.unreplicate(state))
 
     bad = models.regression_batch(32, seed=4)
-    bad["x"][13, 2] = np.inf  # example 13 lives on replica 3 only
+    bad["x"][13, 2] = bad_value  # example 13 lives on replica 3 only
     state, metrics = step(state, step.shard(bad))
     jdp.assert_replicas_in_sync(state)
     after = _host(step.unreplicate(state))
