@@ -5,6 +5,7 @@ counter after a load; here the whole training state is restored replicated
 and in sync on the current devices, whatever device count wrote it.
 """
 
+import dataclasses
 import json
 import pathlib
 import warnings
@@ -16,7 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
-from jdp.replication import replicate, replicate_across, unreplicate
+from jdp.replication import is_prng_key, replicate, replicate_across, unreplicate
 from jdp.state import TrainState
 from jdp.types import PyTree
 
@@ -233,25 +234,24 @@ def _part(key) -> str:
 
 
 def _leaves(tree: PyTree) -> list[tuple[tuple[str, ...], str, Any]]:
-    """``(orbax key parts, printable path, leaf)`` for every leaf."""
+    """``(orbax key parts, printable path, leaf)`` for every leaf.
+
+    A tree that is a single leaf is stored under the key ``value``.
+    """
     return [
-        (tuple(_part(k) for k in path), jax.tree_util.keystr(path), leaf)
+        (tuple(_part(k) for k in path) or ("value",), jax.tree_util.keystr(path), leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     ]
 
 
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _host(leaf) -> np.ndarray:
-    if _is_key(leaf):
+    if is_prng_key(leaf):
         leaf = jax.random.key_data(leaf)
     return np.asarray(jax.device_get(leaf))
 
 
 def _spec(leaf) -> tuple[tuple[int, ...], np.dtype]:
-    if _is_key(leaf):
+    if is_prng_key(leaf):
         data = jax.eval_shape(jax.random.key_data, leaf)
         return tuple(data.shape), np.dtype(data.dtype)
     return tuple(np.shape(leaf)), np.dtype(
@@ -265,7 +265,7 @@ def _nest(flat: dict[tuple[str, ...], Any]) -> dict:
         node = root
         for part in parts[:-1]:
             node = node.setdefault(part, {})
-        node[parts[-1] if parts else "value"] = value
+        node[parts[-1]] = value
     return root
 
 
@@ -287,7 +287,7 @@ def _metadata_tree(metadata) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.
 
 
 def _check_layout(saved, expected, step: int) -> None:
-    wanted = {parts if parts else ("value",): (name, _spec(leaf)) for parts, name, leaf in expected}
+    wanted = {parts: (name, _spec(leaf)) for parts, name, leaf in expected}
     for parts, (name, (shape, dtype)) in wanted.items():
         if parts not in saved:
             raise ValueError(
@@ -320,8 +320,8 @@ def _restore_args(expected) -> ocp.args.Composite:
 def _rebuild(template: PyTree, expected, arrays: dict) -> PyTree:
     leaves = []
     for parts, _, leaf in expected:
-        value = arrays[parts if parts else ("value",)]
-        if _is_key(leaf):
+        value = arrays[parts]
+        if is_prng_key(leaf):
             value = jax.random.wrap_key_data(value, impl=jax.random.key_impl(leaf))
         leaves.append(value)
     return jax.tree.unflatten(jax.tree.structure(_one_copy(template)), leaves)
@@ -332,9 +332,9 @@ def _static_fields(state: PyTree) -> dict[str, Any]:
         return {}
     scale = state.loss_scale
     fields = {
-        name: getattr(scale, name)
-        for name in ("period", "factor", "min_loss_scale")
-        if hasattr(scale, name)
+        f.name: getattr(scale, f.name)
+        for f in dataclasses.fields(scale)
+        if f.metadata.get("static", False)
     }
     return {"loss_scale": {"type": type(scale).__name__, **fields}}
 

@@ -105,6 +105,7 @@ class BatchIterator:
         self.iteration = 0
         self.is_new_epoch = False
         self._position = 0
+        self._permutation = (-1, np.arange(0))  # (epoch, order), drawn once per epoch
 
     @property
     def batches_per_epoch(self) -> int:
@@ -113,9 +114,14 @@ class BatchIterator:
         return -(-self.size // self.batch_size)
 
     def _order(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(self.size)
-        return np.random.default_rng([self.seed, epoch]).permutation(self.size)
+        if self._permutation[0] != epoch:
+            order = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.size)
+                if self.shuffle
+                else np.arange(self.size)
+            )
+            self._permutation = (epoch, order)
+        return self._permutation[1]
 
     def __iter__(self) -> "BatchIterator":
         return self
@@ -167,6 +173,8 @@ class BatchIterator:
 
 
 def _take_padded(x: np.ndarray, indices: np.ndarray, size: int) -> np.ndarray:
+    if len(indices) == size:
+        return x[indices]
     out = np.zeros((size, *x.shape[1:]), x.dtype)
     out[: len(indices)] = x[indices]
     return out

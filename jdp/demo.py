@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jdp
+
 PRECISIONS = ("float32", "bfloat16", "float16")
 TRAIN_SIZE = 1440
 
@@ -161,8 +163,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    import jdp
-
     if args.devices:
         jdp.force_cpu_devices(args.devices)
     import matplotlib

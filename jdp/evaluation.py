@@ -75,14 +75,13 @@ def evaluate(
       ``(state, metrics)``: each metric's mean over every real example, in
       float64 on the host, and ``count``, the number of examples seen.
     """
-    totals: dict[str, float] = {}
-    count = 0.0
+    outs = []
     for batch in batches:
         state, out = wrapped_eval_step(state, wrapped_eval_step.shard(batch))
-        out = jax.device_get(unreplicate(out))
-        count += float(out["count"])
-        for name, value in out["sums"].items():
-            totals[name] = totals.get(name, 0.0) + float(np.float64(value))
+        outs.append(unreplicate(out))  # read back once, after the last batch
+    outs = jax.device_get(outs)
+    count = sum(float(out["count"]) for out in outs)
     if count == 0:
         raise ValueError("evaluate: the batches held no real examples.")
-    return state, {**{name: total / count for name, total in totals.items()}, "count": int(count)}
+    totals = {name: sum(np.float64(out["sums"][name]) for out in outs) for name in outs[0]["sums"]}
+    return state, {**{name: float(t / count) for name, t in totals.items()}, "count": int(count)}

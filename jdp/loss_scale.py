@@ -8,7 +8,6 @@ and every field survives ``jit``, ``pmap``, ``replicate`` and checkpoints.
 """
 
 import math
-from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -143,7 +142,7 @@ class DynamicLossScale:
     loss_scale: jax.Array
     counter: jax.Array = 0
     period: int = pytree.static_field(default=2000)
-    factor: Union[int, float] = pytree.static_field(default=2)  # noqa: UP007
+    factor: int | float = pytree.static_field(default=2)
     min_loss_scale: float = pytree.static_field(default=1.0)
 
     def __post_init__(self):

@@ -59,7 +59,8 @@ class PmapStep:
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
         n = len(self.devices)
         _check_state(state, n, expected_ndim=1, layout="pmap")
-        _check_leading(batch, n)
+        if not _leading_axes_ok(batch, lambda size: size == n):
+            _explain_leading(batch, n)
         return self._fn(state, batch)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
@@ -119,8 +120,10 @@ class ShardMapStep:
         warn_if_cpu_pool_unsafe(mesh.size)
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
-        _check_state(state, self.mesh.size, expected_ndim=0, layout="shard_map")
-        divisible_batch_size(batch, self.mesh.size)
+        n = self.mesh.size
+        _check_state(state, n, expected_ndim=0, layout="shard_map")
+        if not _leading_axes_ok(batch, lambda size: size % n == 0):
+            divisible_batch_size(batch, n)  # raises, naming the leaf
         return self._fn(state, batch)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
@@ -237,12 +240,15 @@ def _check_state(state: PyTree, n: int, *, expected_ndim: int, layout: str) -> N
     )
 
 
-def _check_leading(batch: PyTree, n: int) -> None:
-    for leaf in jax.tree.leaves(batch):
-        if not hasattr(leaf, "shape") or not leaf.shape or leaf.shape[0] != n:
-            break
-    else:
-        return
+def _leading_axes_ok(batch: PyTree, ok: Callable[[int], bool]) -> bool:
+    """The per-step check: cheap; leaf paths are only built to explain a failure."""
+    return all(
+        hasattr(leaf, "shape") and leaf.shape and ok(leaf.shape[0])
+        for leaf in jax.tree.leaves(batch)
+    )
+
+
+def _explain_leading(batch: PyTree, n: int) -> None:
     for name, leaf in leaves_with_paths(batch, "batch"):
         if not leaf.shape or leaf.shape[0] != n:
             raise ValueError(

@@ -14,6 +14,11 @@ from jdp.sharding import AXIS_NAME, leaves_with_paths, local_mesh
 from jdp.types import PyTree
 
 
+def is_prng_key(x) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``)."""
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def from_process0(tree: PyTree) -> PyTree:
     """Process 0's values on every process (a collective when there are several).
 
@@ -23,21 +28,15 @@ def from_process0(tree: PyTree) -> PyTree:
     check_initialized()
     if jax.process_count() == 1:
         return tree
-    keys = jax.tree.map(_is_key, tree)
-    data = jax.tree.map(lambda x, k: jax.random.key_data(x) if k else x, tree, keys)
+    data = jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
     data = multihost_utils.broadcast_one_to_all(data)
-    impls = jax.tree.map(lambda x, k: jax.random.key_impl(x) if k else None, tree, keys)
     return jax.tree.map(
-        lambda x, k, impl: jax.random.wrap_key_data(x, impl=impl) if k else x,
+        lambda x, d: (
+            jax.random.wrap_key_data(d, impl=jax.random.key_impl(x)) if is_prng_key(x) else d
+        ),
+        tree,
         data,
-        keys,
-        impls,
-        is_leaf=lambda x: x is None,
     )
-
-
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
@@ -83,7 +82,7 @@ def _copy_to_every_device(x, sharding: NamedSharding) -> jax.Array:
     # buffer for the device x lives on (even with may_alias=False), and
     # donating the replicated state would then delete the caller's array.
     x = jnp.asarray(x)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if is_prng_key(x):
         data = _copy_to_every_device(jax.random.key_data(x), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     leading = sharding.spec != PartitionSpec()
@@ -167,16 +166,11 @@ def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> 
       >>> state = jdp.sync_replicas(jdp.replicate({"w": jnp.ones(3)}))
       >>> jdp.assert_replicas_in_sync(state)
     """
-
-    unreplicate(tree)  # validates the layout, naming any bad leaf
-    copy = from_process0(jax.tree.map(_replica0, tree))
+    copy = from_process0(unreplicate(tree))
+    leading = NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
 
     def place(x, value):
-        if _is_mesh_replicated(x):
-            return _copy_to_every_device(value, x.sharding)
-        return _copy_to_every_device(
-            value, NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
-        )
+        return _copy_to_every_device(value, x.sharding if _is_mesh_replicated(x) else leading)
 
     return jax.tree.map(place, tree, copy)
 
@@ -223,36 +217,30 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
       >>> import jax.numpy as jnp, jdp
       >>> jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}))
     """
+    several = jax.process_count() > 1
     for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
         replicas = _replicas(leaf)
-        ref = replicas[0]
-        for i, other in enumerate(replicas[1:], start=1):
-            if not _close(ref, other, atol):
-                diff = np.abs(ref.astype(np.float64) - other.astype(np.float64))
-                raise AssertionError(
-                    f"Replicas out of sync at leaf {name}: replica {i} differs "
-                    f"from replica 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
-                    "Call jdp.sync_replicas(tree) to re-broadcast replica 0."
-                )
-    if jax.process_count() > 1:
-        _assert_processes_agree(tree, atol)
+        _assert_rows_close(name, replicas, atol, "replica", "Replicas", "replica 0")
+        if several:
+            rows = list(np.asarray(multihost_utils.process_allgather(replicas[0])))
+            _assert_rows_close(name, rows, atol, "process", "Processes", "process 0's replica 0")
 
 
-def _assert_processes_agree(tree: PyTree, atol: float) -> None:
-    for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
-        rows = np.asarray(multihost_utils.process_allgather(_replicas(leaf)[0]))
-        for p in range(1, rows.shape[0]):
-            if not _close(rows[0], rows[p], atol):
-                diff = np.abs(rows[0].astype(np.float64) - rows[p].astype(np.float64))
-                raise AssertionError(
-                    f"Processes out of sync at leaf {name}: process {p} differs from "
-                    f"process 0 by up to {np.nanmax(diff):.6g} (atol={atol}). Call "
-                    "jdp.sync_replicas(tree) to re-broadcast process 0's replica 0."
-                )
+def _assert_rows_close(
+    name: str, rows: list[np.ndarray], atol: float, kind: str, title: str, source: str
+) -> None:
+    for i, other in enumerate(rows[1:], start=1):
+        if not _close(rows[0], other, atol):
+            diff = np.abs(rows[0].astype(np.float64) - other.astype(np.float64))
+            raise AssertionError(
+                f"{title} out of sync at leaf {name}: {kind} {i} differs "
+                f"from {kind} 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
+                f"Call jdp.sync_replicas(tree) to re-broadcast {source}."
+            )
 
 
 def _replicas(x) -> list[np.ndarray]:
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if is_prng_key(x):
         x = jax.random.key_data(x)
     if _is_mesh_replicated(x):
         return [np.asarray(jax.device_get(s.data)) for s in x.addressable_shards]

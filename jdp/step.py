@@ -200,21 +200,21 @@ def make_train_step(
         )
         return grads, loss, new_model_state, aux
 
-    def accumulate(state, batch, rng, mask):
+    def accumulate(state, batch, size, rng):
+        """This replica's gradient, loss, model state, aux and real-example count.
+
+        With a mask the gradient is count-weighted (a sum over micro-batches
+        of count x mean gradient) and the count is returned for the
+        all-reduce; without one it is the plain mean and the count is None.
+        """
         params, model_state = state.params, state.model_state
         if accumulate_steps == 1:
             grads, loss, model_state, aux = local_loss_and_grads(
                 state, params, model_state, batch, rng
             )
-            if mask is None:
-                return grads, loss, model_state, aux, None
-            count = jnp.sum(mask.astype(jnp.float32))
-            grads = jax.tree.map(
-                lambda g: jnp.where(count > 0, g * count.astype(g.dtype), 0), grads
-            )
-            return grads, loss, model_state, aux, count
+            count = _count(batch)
+            return _weigh(grads, count), loss, model_state, aux, count
 
-        size = batch_size(batch)
         micro = jax.tree.map(
             lambda x: x.reshape((accumulate_steps, size // accumulate_steps) + x.shape[1:]), batch
         )
@@ -226,28 +226,20 @@ def make_train_step(
             grads, loss, model_state, aux = local_loss_and_grads(
                 state, params, model_state, micro_batch, key
             )
-            weight = (
-                jnp.float32(1.0)
-                if mask is None
-                else jnp.sum(micro_batch[MASK_KEY].astype(jnp.float32))
-            )
-            grad_sum = jax.tree.map(
-                lambda s, g: s + jnp.where(weight > 0, g * weight.astype(g.dtype), 0),
-                grad_sum,
-                grads,
-            )
-            return (grad_sum, model_state), (loss, aux, weight)
+            count = _count(micro_batch)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, _weigh(grads, count))
+            return (grad_sum, model_state), (loss, aux, count)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, model_state), (losses, auxes, weights) = lax.scan(
+        (grads, model_state), (losses, auxes, counts) = lax.scan(
             body, (zeros, model_state), (jnp.arange(accumulate_steps), micro)
         )
         aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-        if mask is None:
+        if counts is None:
             grads = jax.tree.map(lambda g: g / accumulate_steps, grads)
             return grads, jnp.mean(losses), model_state, aux, None
-        count = jnp.sum(weights)
-        loss = jnp.sum(losses * weights) / jnp.maximum(count, 1.0)
+        count = jnp.sum(counts)
+        loss = jnp.sum(losses * counts) / jnp.maximum(count, 1.0)
         return grads, loss, model_state, aux, count
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -263,7 +255,6 @@ def make_train_step(
                 f"batch of {size} examples. Use a global batch divisible by "
                 f"accumulate_steps x number of devices."
             )
-        mask = _mask_of(batch)
         rng = None
         if has_rng:
             if state.rng is None:
@@ -273,7 +264,7 @@ def make_train_step(
                 )
             rng = replica_rng(state.rng, state.step, axis_name)
 
-        grads, loss, model_state, aux, count = accumulate(state, batch, rng, mask)
+        grads, loss, model_state, aux, count = accumulate(state, batch, size, rng)
         grads = state.loss_scale.unscale(reduce_gradients(grads, axis_name, grad_reduce, count))
         if has_model_state:
             model_state = average_model_state(model_state, axis_name)
@@ -281,9 +272,9 @@ def make_train_step(
         params = optax.apply_updates(state.params, updates)
 
         metrics = {"loss": loss, **aux}
-        if isinstance(state.loss_scale, NoOpLossScale):
-            skipped_steps = state.skipped_steps
-        else:
+        finite = None  # NoOpLossScale never skips
+        skipped_steps = state.skipped_steps
+        if not isinstance(state.loss_scale, NoOpLossScale):
             finite = all_finite(grads)
             params, opt_state, model_state = _select(
                 finite,
@@ -301,7 +292,7 @@ def make_train_step(
             params=params,
             opt_state=opt_state,
             model_state=model_state,
-            loss_scale=state.loss_scale.adjust(metrics.get("grads_finite")),
+            loss_scale=state.loss_scale.adjust(finite),
             skipped_steps=skipped_steps,
         )
         return new_state, metrics
@@ -314,15 +305,24 @@ def _select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree.map(lambda a, b: lax.select(pred, a, b), on_true, on_false)
 
 
-def _mask_of(batch: PyTree) -> jax.Array | None:
-    if isinstance(batch, Mapping) and MASK_KEY in batch:
-        mask = batch[MASK_KEY]
-        if mask.ndim != 1:
-            raise ValueError(
-                f"batch[{MASK_KEY!r}] must be a 1-D per-example mask, got shape {mask.shape}."
-            )
-        return mask
-    return None
+def _count(batch: PyTree) -> jax.Array | None:
+    """The number of real examples when the batch carries a mask, else None."""
+    if not (isinstance(batch, Mapping) and MASK_KEY in batch):
+        return None
+    mask = batch[MASK_KEY]
+    if mask.ndim != 1:
+        raise ValueError(
+            f"batch[{MASK_KEY!r}] must be a 1-D per-example mask, got shape {mask.shape}."
+        )
+    return jnp.sum(mask.astype(jnp.float32))
+
+
+def _weigh(grads: PyTree, count: jax.Array | None) -> PyTree:
+    # A replica (or micro-batch) of padding only contributes exact zeros,
+    # even when its loss is NaN.
+    if count is None:
+        return grads
+    return jax.tree.map(lambda g: jnp.where(count > 0, g * count.astype(g.dtype), 0), grads)
 
 
 def _unpack(out: Any, has_aux: bool, has_model_state: bool):

@@ -37,7 +37,9 @@ def test_devices_are_forced_with_a_safe_pool():
 
 
 def test_calling_again_with_the_same_count_is_a_no_op():
+    threads = os.environ["PJRT_NPROC"]
     jdp.force_cpu_devices(8)
+    assert jax.device_count() == 8 and os.environ["PJRT_NPROC"] == threads
 
 
 def test_calling_after_start_with_another_count_is_an_error():

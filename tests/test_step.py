@@ -27,42 +27,50 @@ def train_parallel(step_fn, state, data, backend, n):
     return step.unreplicate(state), metrics
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("opt", sorted(models.OPTIMIZERS))
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_mlp_equals_single_device(n, opt, backend):
-    tx = models.OPTIMIZERS[opt]()
-    params = models.mlp_params()
-    data = batches(models.regression_batch)
-    expected, _ = models.train_single_device(models.mlp_loss, params, tx, data)
-    state = jdp.TrainState.create(params=params, tx=tx)
-    final, metrics = train_parallel(jdp.make_train_step(models.mlp_loss), state, data, backend, n)
-    models.assert_trees_close(final.params, expected, rtol=1e-5, atol=1e-7)
-    assert int(final.step) == STEPS
-    # Per-replica losses: the mean of equal-size shards' losses is the global loss.
-    assert metrics["loss"].shape == (n,)
+def _mlp():
+    return models.mlp_loss, models.mlp_params(), None, models.regression_batch
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("opt", sorted(models.OPTIMIZERS))
-@pytest.mark.parametrize("n", [1, 2, 4, 8])
-def test_flax_model_equals_single_device(n, opt, backend):
-    tx = models.OPTIMIZERS[opt]()
+def _flax_with_bn_and_dropout_off():
     variables = models.classifier_variables()
-    data = batches(models.classification_batch)
-    expected, _ = models.train_single_device(
+    return (
         models.classifier_eval_mode_loss,
         variables["params"],
-        tx,
-        data,
-        model_state=variables["batch_stats"],
+        variables["batch_stats"],
+        models.classification_batch,
     )
-    state = jdp.TrainState.create(
-        params=variables["params"], tx=tx, model_state=variables["batch_stats"]
-    )
-    step = jdp.make_train_step(models.classifier_eval_mode_loss, has_model_state=True)
-    final, _ = train_parallel(step, state, data, backend, n)
+
+
+MODELS = {"mlp": _mlp, "flax": _flax_with_bn_and_dropout_off}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("opt", sorted(models.OPTIMIZERS))
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_equals_single_device_training(model, n, opt, backend):
+    loss_fn, params, model_state, make_batch = MODELS[model]()
+    tx = models.OPTIMIZERS[opt]()
+    data = batches(make_batch)
+    expected, _ = models.train_single_device(loss_fn, params, tx, data, model_state=model_state)
+    state = jdp.TrainState.create(params=params, tx=tx, model_state=model_state)
+    step = jdp.make_train_step(loss_fn, has_model_state=model_state is not None)
+    final, metrics = train_parallel(step, state, data, backend, n)
     models.assert_trees_close(final.params, expected, rtol=1e-5, atol=1e-7)
+    assert int(final.step) == STEPS
+    # The last step's per-replica losses: each replica's shard under the
+    # params the reference held before its last step.
+    before, _ = models.train_single_device(loss_fn, params, tx, data[:-1], model_state=model_state)
+    extra = () if model_state is None else (model_state,)
+    shard = GLOBAL_BATCH // n
+    losses = [
+        loss_fn(
+            before, jax.tree.map(lambda x, i=i: x[i * shard : (i + 1) * shard], data[-1]), *extra
+        )
+        for i in range(n)
+    ]
+    losses = [loss[0] if isinstance(loss, tuple) else loss for loss in losses]
+    np.testing.assert_allclose(metrics["loss"], np.stack(losses), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
