@@ -5,23 +5,33 @@ counter after a load; here the whole training state is restored replicated
 and in sync on the current devices, whatever device count wrote it.
 """
 
+import contextlib
 import dataclasses
 import json
+import logging
 import pathlib
+import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp.replication import is_prng_key, replicate, replicate_across, unreplicate
 from jdp.state import TrainState
 from jdp.types import PyTree
 
 FORMAT_VERSION = 1
+# What a damaged or unreadable checkpoint raises (JSON and tensorstore errors
+# are ValueErrors, missing files OSErrors). Anything else is a bug or an
+# interrupt and propagates instead of silently falling back.
+READ_ERRORS = (OSError, ValueError, KeyError, EOFError)
+_OPEN: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()
 
 
 class CheckpointError(RuntimeError):
@@ -65,6 +75,11 @@ class Checkpointer:
                 f"Checkpointer: max_to_keep must be None or an int >= 1, got {max_to_keep!r}."
             )
         self.directory = pathlib.Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            raise ValueError(
+                f"Checkpointer: {self.directory} is a file; pass a directory (it is created "
+                "if missing) where the step directories will live."
+            )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
@@ -76,6 +91,7 @@ class Checkpointer:
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
+        _OPEN.add(self)
 
     def save(self, step: int, state: PyTree, *, extra: dict[str, Any] | None = None) -> None:
         """Writes ``state`` (as the loop holds it, replicated or not) as checkpoint ``step``.
@@ -86,10 +102,14 @@ class Checkpointer:
           extra: small JSON-able things saved with it (iterator position, config).
 
         Raises:
-          TypeError: ``extra`` is not JSON-serializable.
-          ValueError: a checkpoint ``step`` already exists.
+          TypeError: ``extra`` is not JSON-serializable, or ``step`` is not an int.
+          ValueError: ``step`` is negative, or a checkpoint ``step`` already exists.
         """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+            raise TypeError(f"Checkpointer.save: step must be an int, got {step!r}.")
         step = int(step)
+        if step < 0:
+            raise ValueError(f"Checkpointer.save: step must be >= 0, got {step}.")
         meta = {"format": FORMAT_VERSION, "static": _static_fields(state), "extra": extra}
         try:
             json.dumps(meta, allow_nan=False)
@@ -102,7 +122,7 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpointer.save: checkpoint {step} already exists in {self.directory}."
             )
-        arrays = _nest({parts: _host(leaf) for parts, _, leaf in _leaves(_one_copy(state))})
+        arrays = _nest({parts: leaf for parts, _, leaf in _leaves(_global_copy(state))})
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -153,17 +173,12 @@ class Checkpointer:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
         expected = _leaves(_one_copy(template))
         failures = []
-        for candidate in candidates:
-            try:
-                saved = _metadata_tree(self._manager.item_metadata(candidate)["state"])
-            except Exception as e:  # damaged metadata: try an older checkpoint
-                failures.append((candidate, e))
-                continue
-            _check_layout(saved, expected, candidate)
-            try:
-                restored = self._manager.restore(candidate, args=_restore_args(expected))
-            except Exception as e:  # damaged data: try an older checkpoint
-                failures.append((candidate, e))
+        for candidate in _agreed(candidates):
+            restored, error = self._read(candidate, expected)
+            # Every process restores the same step or none does: a fallback
+            # taken on one process only would let the processes diverge.
+            if not _all_processes_ok(error is None):
+                failures.append((candidate, error or RuntimeError("failed on another process")))
                 continue
             meta = restored["meta"]
             _check_static(meta["static"], _static_fields(template), candidate)
@@ -180,6 +195,24 @@ class Checkpointer:
             f"No intact checkpoint in {self.directory}: {_describe(failures)}. "
             "Delete the damaged step directories or start from scratch."
         )
+
+    def _read(self, step: int, expected) -> tuple[Any, Exception | None]:
+        """``(restored, None)``, or ``(None, error)`` for a damaged checkpoint.
+
+        A checkpoint that reads but does not match the template raises: that
+        is a usage error, not damage to fall back from.
+        """
+        try:
+            with _quiet_orbax():
+                saved = _metadata_tree(self._manager.item_metadata(step)["state"])
+        except READ_ERRORS as e:
+            return None, e
+        _check_layout(saved, expected, step)
+        try:
+            with _quiet_orbax():
+                return self._manager.restore(step, args=_restore_args(expected)), None
+        except READ_ERRORS as e:
+            return None, e
 
     def latest_step(self) -> int | None:
         """The newest checkpoint's step, or None."""
@@ -202,6 +235,80 @@ class Checkpointer:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def finish_pending_saves(timeout: float) -> None:
+    """Waits up to ``timeout`` seconds for every open Checkpointer's async saves.
+
+    For exit paths that skip ``atexit`` (``jdp.launch``'s handler of an
+    uncaught exception): an in-flight checkpoint is finished, not lost.
+    """
+
+    def wait():
+        for ckpt in list(_OPEN):
+            with contextlib.suppress(Exception):
+                ckpt.wait_until_finished()
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    thread.join(timeout)
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs every failed read at ERROR; jdp reports one warning instead."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _agreed(candidates: list[int]) -> list[int]:
+    """Process 0's candidate steps, on every process."""
+    if jax.process_count() == 1:
+        return candidates
+    padded = np.full(64, -1, np.int64)
+    padded[: min(len(candidates), 64)] = candidates[:64]
+    chosen = np.asarray(multihost_utils.broadcast_one_to_all(padded))
+    return [int(c) for c in chosen if c >= 0]
+
+
+def _all_processes_ok(ok: bool) -> bool:
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _global_copy(tree: PyTree) -> PyTree:
+    """One copy of each leaf, as device arrays Orbax writes from one replica.
+
+    Leaves of a replicated state become global arrays replicated over their
+    devices, built from each device's own copy: no process gathers the state
+    into host memory (Orbax copies only the shard it writes). Other leaves
+    (host arrays, single-device arrays) pass through. PRNG keys are saved as
+    their key data.
+    """
+
+    def one(x):
+        if is_prng_key(x):
+            x = jax.random.key_data(x)
+        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+            return np.asarray(jax.device_get(x))
+        if jax.process_count() > 1 and x.is_fully_addressable:
+            # A per-process copy (the pmap layout): Orbax's own conversion.
+            return ocp.utils.fully_replicated_host_local_array_to_global_array(x)
+        if all(axis is None for axis in x.sharding.spec):
+            return x  # already a global replicated array (shard_map layout)
+        mesh = x.sharding.mesh
+        rows = [s.data[0] for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+        return jax.make_array_from_single_device_arrays(
+            x.shape[1:], NamedSharding(mesh, PartitionSpec()), rows
+        )
+
+    return jax.tree.map(one, tree)
 
 
 def _first_sharding(tree: PyTree) -> NamedSharding | None:
@@ -242,12 +349,6 @@ def _leaves(tree: PyTree) -> list[tuple[tuple[str, ...], str, Any]]:
         (tuple(_part(k) for k in path) or ("value",), jax.tree_util.keystr(path), leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     ]
-
-
-def _host(leaf) -> np.ndarray:
-    if is_prng_key(leaf):
-        leaf = jax.random.key_data(leaf)
-    return np.asarray(jax.device_get(leaf))
 
 
 def _spec(leaf) -> tuple[tuple[int, ...], np.dtype]:

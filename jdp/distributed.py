@@ -18,6 +18,7 @@ ENV_COORDINATOR = "JDP_COORDINATOR"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
 ENV_CPU_DEVICES = "JDP_CPU_DEVICES_PER_PROCESS"
+ENV_TIMEOUT = "JDP_TIMEOUT"
 
 
 def initialize(
@@ -28,6 +29,7 @@ def initialize(
     local_device_ids: int | Sequence[int] | None = None,
     cpu_devices_per_process: int | None = None,
     initialization_timeout: int = 300,
+    timeout: int | None = None,
 ) -> None:
     """Joins this process to a multi-process job on JAX's distributed runtime.
 
@@ -44,6 +46,12 @@ def initialize(
         (``jdp.force_cpu_devices``), default ``$JDP_CPU_DEVICES_PER_PROCESS``;
         CPU collectives between processes use gloo.
       initialization_timeout: seconds to wait for every process to join.
+      timeout: seconds after which a process that stopped answering (missed
+        heartbeats) or a process waiting at exit for the others (JAX's
+        shutdown barrier) ends the job with an error naming the missing
+        processes, instead of waiting forever. Default ``$JDP_TIMEOUT`` (set
+        by ``jdp.launch --timeout``), else JAX's defaults (100 s heartbeats,
+        300 s shutdown).
 
     Raises:
       RuntimeError: called twice, or after JAX's backend already started (a
@@ -70,12 +78,18 @@ def initialize(
         cpu_devices_per_process = int(env[ENV_CPU_DEVICES])
     if cpu_devices_per_process:
         force_cpu_devices(cpu_devices_per_process)
+    if timeout is None and ENV_TIMEOUT in env:
+        timeout = int(env[ENV_TIMEOUT])
+    timeouts = {}
+    if timeout is not None:
+        timeouts = {"heartbeat_timeout_seconds": timeout, "shutdown_timeout_seconds": timeout}
     jax.distributed.initialize(
         coordinator_address,
         num_processes,
         process_id,
         local_device_ids=local_device_ids,
         initialization_timeout=initialization_timeout,
+        **timeouts,
     )
 
 
@@ -85,11 +99,15 @@ def _exit_at_once(exc_type, exc, tb) -> None:
     A normal exit runs JAX's distributed shutdown, which waits for the other
     processes, and they may be waiting in a collective for this one: the job
     would hang until a timeout. Exiting at once lets the launcher see the
-    failure and stop the others within seconds.
+    failure and stop the others within seconds. ``os._exit`` skips atexit,
+    so an in-flight asynchronous checkpoint is finished first (bounded wait).
     """
     sys.__excepthook__(exc_type, exc, tb)
     sys.stdout.flush()
     sys.stderr.flush()
+    checkpoint = sys.modules.get("jdp.checkpoint")
+    if checkpoint is not None:
+        checkpoint.finish_pending_saves(timeout=float(os.environ.get(ENV_TIMEOUT, 60)))
     os._exit(1)
 
 

@@ -1,16 +1,23 @@
 """Start N local processes of a jdp script, for laptops and tests.
 
-    python -m jdp.launch --processes 2 --devices-per-process 4 train.py [args]
+    python -m jdp.launch --processes 2 --devices-per-process 4 [--timeout 120] train.py [args]
 
 Each process gets a coordinator on 127.0.0.1 at a free port and the
 variables ``jdp.distributed.initialize()`` reads; its output lines are
 prefixed with its index. If any process fails, the others are stopped
 (SIGTERM, then SIGKILL after a grace period) and the launcher exits with the
-failing code. Clusters use their own launchers (srun, mpirun, Kubernetes).
+failing code. A job whose processes stop making progress (one waits in a
+collective for a step another never runs) ends within about ``--timeout``
+seconds with a message naming them. If the launcher itself is terminated or
+killed, so are its processes. Clusters use their own launchers (srun,
+mpirun, Kubernetes).
 """
 
 import argparse
+import collections
+import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,9 +25,19 @@ import sys
 import threading
 import time
 
-from jdp.distributed import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from jdp.distributed import (
+    ENV_COORDINATOR,
+    ENV_CPU_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+    ENV_TIMEOUT,
+)
 
 GRACE_SECONDS = 5.0
+DEFAULT_TIMEOUT = 120
+# Gloo prints one line per rank and connection; shown with --verbose.
+NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to")
+PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
@@ -30,10 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pump(stream, prefix: str, sink) -> None:
+def _die_with_parent() -> None:
+    # Runs in the child before exec: the kernel sends SIGKILL when the
+    # launcher dies, even by SIGKILL, which no handler of ours can catch.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _pump(stream, prefix: str, sink, tail: collections.deque, verbose: bool) -> None:
     for line in iter(stream.readline, ""):
-        sink.write(f"{prefix}{line}")
-        sink.flush()
+        tail.append(line)
+        if verbose or not NOISE.match(line):
+            sink.write(f"{prefix}{line}")
+            sink.flush()
     stream.close()
 
 
@@ -50,10 +76,29 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def launch(script: str, args: list[str], processes: int, devices_per_process: int) -> int:
-    """Runs ``script`` in ``processes`` processes; returns the job's exit code."""
+def _stalled(tails: list[collections.deque], processes: int) -> list[int]:
+    """Processes JAX's shutdown barrier names as never arriving.
+
+    JAX prints "Some timed out task names:" followed by one task per line
+    ("0", or "/job:jax_worker/replica:0/task:0").
+    """
+    task = re.compile(r"^\s*(?:\S*task:)?(\d+)\s*$")
+    names = set()
+    for tail in tails:
+        lines = list(tail)
+        for i, line in enumerate(lines):
+            if "timed out task names" in line:
+                for follow in lines[i + 1 :]:
+                    match = task.match(follow)
+                    if not match:
+                        break
+                    names.add(int(match.group(1)))
+    return sorted(n for n in names if n < processes)
+
+
+def _start(script, args, processes, devices_per_process, timeout) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{free_port()}"
-    procs, pumps = [], []
+    procs = []
     for i in range(processes):
         env = {
             **os.environ,
@@ -61,41 +106,88 @@ def launch(script: str, args: list[str], processes: int, devices_per_process: in
             ENV_NUM_PROCESSES: str(processes),
             ENV_PROCESS_ID: str(i),
             ENV_CPU_DEVICES: str(devices_per_process),
+            ENV_TIMEOUT: str(timeout),
             "PYTHONUNBUFFERED": "1",
         }
-        p = subprocess.Popen(
-            [sys.executable, script, *args],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # its own process group, so stopping it stops its children
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, script, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # its own process group: stopping it stops its children
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
         )
-        procs.append(p)
+    return procs
+
+
+def _watch(procs: list[subprocess.Popen], timeout: float) -> tuple[int, str | None]:
+    """Waits for the job; returns ``(exit code, why it was stopped or None)``."""
+    finished_at = None
+    while [p.poll() for p in procs].count(None):  # poll every process, every time
+        failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+        if failed:
+            code = procs[failed[0]].returncode
+            return code, f"process {failed[0]} exited with {code}; stopping the others"
+        done = [i for i, p in enumerate(procs) if p.returncode == 0]
+        if done and finished_at is None:
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > timeout + GRACE_SECONDS:
+            running = [i for i, p in enumerate(procs) if p.returncode is None]
+            return 1, (
+                f"process(es) {running} still running {timeout:.0f} s after process(es) "
+                f"{done} finished: they stopped making progress (waiting in a collective "
+                "for a step the others never ran?); stopping them"
+            )
+        time.sleep(0.05)
+    return next((p.returncode for p in procs if p.returncode != 0), 0), None
+
+
+def launch(
+    script: str,
+    args: list[str],
+    processes: int,
+    devices_per_process: int,
+    *,
+    timeout: int = DEFAULT_TIMEOUT,
+    verbose: bool = False,
+) -> int:
+    """Runs ``script`` in ``processes`` processes; returns the job's exit code."""
+    procs = _start(script, args, processes, devices_per_process, timeout)
+    tails = [collections.deque(maxlen=200) for _ in procs]
+    pumps = []
+    for i, p in enumerate(procs):
         for stream, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, f"[{i}] ", sink), daemon=True)
+            t = threading.Thread(
+                target=_pump, args=(stream, f"[{i}] ", sink, tails[i], verbose), daemon=True
+            )
             t.start()
             pumps.append(t)
-    code = 0
+
+    def terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        while [p.poll() for p in procs].count(None):  # poll every process, every time
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                code = failed[0].returncode
-                index = procs.index(failed[0])
-                sys.stderr.write(
-                    f"[launch] process {index} exited with {code}; stopping the others\n"
-                )
-                break
-            time.sleep(0.05)
+        code, why = _watch(procs, timeout)
     except KeyboardInterrupt:
-        code = 130
+        code, why = 130, "interrupted; stopping every process"
     finally:
         _stop(procs)
         for t in pumps:
             t.join(timeout=2)
-    if code == 0:
-        code = next((p.returncode for p in procs if p.returncode != 0), 0)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    stalled = _stalled(tails, processes)
+    if stalled:
+        why = (
+            f"process(es) {stalled} stopped making progress: the others waited for them at "
+            f"exit for {timeout} s (do all processes run the same number of steps?)"
+        )
+    if why:
+        sys.stderr.write(f"[launch] {why}\n")
     return 1 if code < 0 else code
 
 
@@ -107,12 +199,30 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--devices-per-process", type=int, default=1, help="CPU devices forced in each process"
     )
+    parser.add_argument(
+        "--timeout",
+        type=int,
+        default=DEFAULT_TIMEOUT,
+        help="seconds before a job whose processes stopped making progress is ended "
+        f"(JAX heartbeats and shutdown barrier; default {DEFAULT_TIMEOUT})",
+    )
+    parser.add_argument("--verbose", action="store_true", help="show Gloo's connection lines")
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     ns = parser.parse_args(argv)
     if ns.processes < 1 or ns.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
-    sys.exit(launch(ns.script, ns.args, ns.processes, ns.devices_per_process))
+    if ns.timeout < 1:
+        parser.error("--timeout must be >= 1")
+    code = launch(
+        ns.script,
+        ns.args,
+        ns.processes,
+        ns.devices_per_process,
+        timeout=ns.timeout,
+        verbose=ns.verbose,
+    )
+    sys.exit(code)
 
 
 if __name__ == "__main__":
