@@ -6,7 +6,7 @@ same MLP and global batch:
   hand   a minimal hand-written jax.pmap + lax.pmean + optax step (reference)
   pmap   jdp.pmap(jdp.make_train_step(loss))                 float32
   smap   jdp.shard_map(jdp.make_train_step(loss))            float32
-  pmap16 / smap16: the same with compute_dtype=jnp.bfloat16
+  pmap16 / smap16: the same with precision=jdp.Policy(jnp.bfloat16, cast_batch=("x",))
 
 Rounds are interleaved (hand, pmap, smap, ... then again) so machine noise
 hits every variant alike; each figure is the median over rounds. Ratios are
@@ -98,7 +98,8 @@ class HandWritten:
 
 class Jdp:
     def __init__(self, backend, tx, devices, compute_dtype=None):
-        step = jdp.make_train_step(loss_fn, compute_dtype=compute_dtype)
+        policy = jdp.Policy(compute_dtype, cast_batch=("x",) if compute_dtype else ())
+        step = jdp.make_train_step(loss_fn, precision=policy)
         if backend == "pmap":
             self.step = jdp.pmap(step, devices=devices)
         else:

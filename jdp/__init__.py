@@ -14,6 +14,7 @@ from jdp.loss_scale import (
     all_finite,
 )
 from jdp.parallel import PmapStep, ShardMapStep, pmap, shard_map
+from jdp.precision import Policy
 from jdp.replication import (
     assert_replicas_in_sync,
     broadcast,
@@ -25,15 +26,9 @@ from jdp.replication import (
 )
 from jdp.sharding import pad_batch, shard, unshard
 from jdp.state import TrainState
-from jdp.step import (
-    average_model_state,
-    cast_floating,
-    make_train_step,
-    masked_mean,
-    reduce_gradients,
-    replica_rng,
-)
+from jdp.step import apply_gradients, make_train_step, reduce_gradients, replica_rng
 from jdp.types import PyTree
+from jdp.weighting import WeightedLoss, weighted_mean
 
 __all__ = [
     "BatchIterator",
@@ -44,15 +39,16 @@ __all__ = [
     "LossScale",
     "NoOpLossScale",
     "PmapStep",
+    "Policy",
     "PyTree",
     "ShardMapStep",
     "StaticLossScale",
     "TrainState",
+    "WeightedLoss",
     "all_finite",
+    "apply_gradients",
     "assert_replicas_in_sync",
-    "average_model_state",
     "broadcast",
-    "cast_floating",
     "distributed",
     "evaluate",
     "fit",
@@ -60,7 +56,6 @@ __all__ = [
     "gather_replicas",
     "make_eval_step",
     "make_train_step",
-    "masked_mean",
     "pad_batch",
     "pmap",
     "prefetch_to_device",
@@ -73,4 +68,5 @@ __all__ = [
     "sync_replicas",
     "unreplicate",
     "unshard",
+    "weighted_mean",
 ]

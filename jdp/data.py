@@ -2,6 +2,7 @@
 
 import collections
 import itertools
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -10,7 +11,6 @@ import numpy as np
 
 from jdp.sharding import batch_size as leading_size
 from jdp.sharding import shard
-from jdp.step import MASK_KEY
 from jdp.types import PyTree
 
 REMAINDERS = ("drop", "pad")
@@ -32,13 +32,16 @@ class BatchIterator:
       seed: the shuffling seed, shared by every process.
       remainder: ``"drop"`` the last incomplete batch, or ``"pad"`` it with
         zeros to the full batch size; with ``"pad"`` every batch carries a
-        boolean ``"mask"`` (``data`` must then be a dict).
+        boolean mask under ``mask_key`` (``data`` must then be a dict). The
+        step reads no mask by itself: the loss leaves the padding out, e.g.
+        ``jdp.weighted_mean(per_example, batch["mask"])``.
       repeat: run forever (training) or stop after one epoch (evaluation).
       num_devices: devices per process the batch is split over (default
         ``jax.local_device_count()``).
       process_index, process_count: this process's slice of every global
         batch; default ``jax.process_index()`` and ``jax.process_count()``.
         Every process shuffles alike.
+      mask_key: the key of the padding mask (``remainder="pad"``).
 
     Example:
       >>> import numpy as np, jdp
@@ -59,6 +62,7 @@ class BatchIterator:
         num_devices: int | None = None,
         process_index: int | None = None,
         process_count: int | None = None,
+        mask_key: str = "mask",
     ):
         self.size = leading_size(data, "BatchIterator data")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
@@ -83,10 +87,17 @@ class BatchIterator:
                 f"{split} devices it is split over ({num_devices} per process x "
                 f"{process_count} process(es)); use a multiple of {split}."
             )
-        if remainder == "pad" and not (isinstance(data, Mapping) and MASK_KEY not in data):
+        if remainder == "pad" and not (isinstance(data, Mapping) and mask_key not in data):
             raise ValueError(
-                'BatchIterator(remainder="pad") adds a "mask" entry, so data must be a '
-                f'dict without a "mask" key; got {type(data).__name__}.'
+                f'BatchIterator(remainder="pad") adds a {mask_key!r} entry, so data must be a '
+                f"dict without that key; got {type(data).__name__}"
+                + (f" with keys {sorted(data)}" if isinstance(data, Mapping) else "")
+                + ". Choose another name with mask_key=..."
+            )
+        if self.size == 0 and repeat:
+            raise ValueError(
+                "BatchIterator: data holds 0 examples, so a repeating iterator would never "
+                "yield a batch; pass data with examples (or repeat=False for an empty pass)."
             )
         if remainder == "drop" and self.size < batch_size:
             raise ValueError(
@@ -99,6 +110,8 @@ class BatchIterator:
         self.seed = seed
         self.remainder = remainder
         self.repeat = repeat
+        self.mask_key = mask_key
+        self.fingerprint = _fingerprint(self.data)
         self.process_index = process_index
         self.process_count = process_count
         self.epoch = 0
@@ -127,7 +140,7 @@ class BatchIterator:
         return self
 
     def __next__(self) -> PyTree:
-        if not self.repeat and self.epoch > 0:
+        if not self.repeat and (self.epoch > 0 or self.size == 0):
             raise StopIteration
         start = self._position * self.batch_size
         indices = self._order(self.epoch)[start : start + self.batch_size]
@@ -137,7 +150,7 @@ class BatchIterator:
         mine = indices[lo:hi]
         batch = jax.tree.map(lambda x: _take_padded(x, mine, local), self.data)
         if self.remainder == "pad":
-            batch = {**batch, MASK_KEY: np.arange(lo, hi) < real}
+            batch = {**batch, self.mask_key: np.arange(lo, hi) < real}
         self._position += 1
         self.iteration += 1
         self.is_new_epoch = self._position == self.batches_per_epoch
@@ -155,11 +168,23 @@ class BatchIterator:
             "seed": self.seed,
             "size": self.size,
             "batch_size": self.batch_size,
+            "fingerprint": self.fingerprint,
         }
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        """Continues from a :meth:`get_state` of an iterator over the same data."""
-        for key in ("seed", "size", "batch_size"):
+        """Continues from a :meth:`get_state` of an iterator over the same data.
+
+        Raises:
+          ValueError: the state is not a full :meth:`get_state`, or it was
+            taken over other data, another batch size or another seed.
+        """
+        missing = sorted(set(self.get_state()) - set(state)) if isinstance(state, Mapping) else None
+        if missing is None or missing:
+            raise ValueError(
+                "BatchIterator.set_state expects a dict from get_state(); "
+                + (f"got {type(state).__name__}." if missing is None else f"it lacks {missing}.")
+            )
+        for key in ("seed", "size", "batch_size", "fingerprint"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"BatchIterator.set_state: saved {key}={state[key]} but this "
@@ -170,6 +195,22 @@ class BatchIterator:
         self._position = int(state["position"])
         self.iteration = int(state["iteration"])
         self.is_new_epoch = False
+
+
+def _fingerprint(data: PyTree) -> int:
+    """A checksum of the data's structure and of up to 1,024 evenly spaced examples.
+
+    Cheap for any data size, and enough to refuse a position saved over other
+    data of the same size.
+    """
+    leaves, treedef = jax.tree.flatten(data)
+    size = leaves[0].shape[0] if leaves else 0
+    rows = np.unique(np.linspace(0, max(size - 1, 0), num=min(size, 1024), dtype=np.int64))
+    crc = zlib.crc32(str(treedef).encode())
+    for leaf in leaves:
+        crc = zlib.crc32(f"{leaf.shape}{leaf.dtype}".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(leaf[rows]).tobytes(), crc)
+    return crc
 
 
 def _take_padded(x: np.ndarray, indices: np.ndarray, size: int) -> np.ndarray:

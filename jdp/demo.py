@@ -1,14 +1,19 @@
-"""The main job: a Flax CNN on real handwritten digits across 8 CPU devices.
+"""The main job: a Flax CNN on real handwritten digits, 8 devices against 1.
 
     python -m jdp.demo [--devices 8] [--steps 600] [--batch-size 128]
                        [--precision bfloat16] [--backend pmap] [--out out/demo]
+                       [--resume] [--no-reference]
 
 scikit-learn's 8x8 digits (1,797 real scans that ship inside scikit-learn, no
 download) are split into 1,440 training and 357 test images. The CNN trains
-with bfloat16 compute, float32 master weights and dynamic loss scaling,
-evaluates exactly on every test image (357 is not a multiple of 8: the last
-batch is padded and masked), prints the test accuracy, and writes a PNG of
-the loss and accuracy curves plus a checkpoint to the output folder.
+data parallel on 8 CPU devices, with float32 master weights and, by default,
+bfloat16 compute (no loss scaling: bfloat16 has float32's range);
+``--precision float16`` adds dynamic loss scaling, which float16 needs. It is
+evaluated exactly on every test image (357 is not a multiple of 8: the last
+batch is padded, and the metric leaves the padding out). The same model is
+then trained on one device from the same seed and data, and the figure shows
+what jdp promises on this run: 8 devices train like 1, every replica's loss,
+the loss scale and skipped steps, and the test accuracy.
 
 The pieces (data, model, losses, plot) are importable for the notebook
 ``notebooks/04_digits.ipynb``. Importing this module starts no JAX backend.
@@ -18,7 +23,7 @@ import argparse
 import json
 import pathlib
 import shutil
-import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -71,94 +76,188 @@ def loss_fn(params, batch):
 
 
 def metric_fn(params, batch):
-    """Per-example accuracy and loss, for exact evaluation."""
+    """Accuracy and loss over the real examples of a padded batch, for exact evaluation."""
     logits = logits_of(params, batch["image"])
+    correct = jnp.argmax(logits, -1) == batch["label"]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
     return {
-        "accuracy": (jnp.argmax(logits, -1) == batch["label"]).astype(jnp.float32),
-        "loss": optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]),
+        "accuracy": jdp.weighted_mean(correct, batch["mask"]),
+        "loss": jdp.weighted_mean(loss, batch["mask"]),
     }
 
 
-def plot_history(history, final_accuracy: float, title: str):
-    """A figure with the train/test loss and accuracy curves of a :func:`jdp.fit` run."""
+def precision_setup(precision: str):
+    """``(jdp.Policy, loss scale)`` for a precision name.
+
+    bfloat16 has float32's exponent range, so its gradients do not underflow
+    and need no loss scaling; float16 does, so it gets dynamic loss scaling.
+    """
+    if precision == "float32":
+        return jdp.Policy(), None
+    dtype = getattr(jnp, precision)
+    scale = jdp.DynamicLossScale(jnp.float32(2.0**15)) if precision == "float16" else None
+    return jdp.Policy(dtype, cast_batch=("image",)), scale
+
+
+def max_difference(a, b) -> float:
+    """The largest absolute difference between two trees of arrays."""
+    gaps = jax.tree.map(lambda x, y: float(np.max(np.abs(np.asarray(x) - np.asarray(y)))), a, b)
+    return max(jax.tree.leaves(gaps))
+
+
+def plot_promises(history, reference, result: dict):
+    """The demo's figure: four panels, one promise each."""
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    train_steps = [r["step"] for r in history.train]
-    eval_steps = [r["step"] for r in history.eval]
-    a.plot(train_steps, [r["loss"] for r in history.train], label="train (mean of replicas)")
-    a.plot(eval_steps, [r["loss"] for r in history.eval], "o-", label="test")
-    b.plot(eval_steps, [r["accuracy"] for r in history.eval], "o-", label="test")
-    b.plot(train_steps, [r["accuracy"] for r in history.train], alpha=0.6, label="train batch")
-    a.set(xlabel="step", ylabel="loss", yscale="log", title="loss")
-    b.set(
-        xlabel="step",
-        ylabel="accuracy",
-        ylim=(0, 1.01),
-        title=f"test accuracy {final_accuracy:.4f}",
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.9))
+    _plot_one_vs_n(axes[0], history, reference, result)
+    _plot_replica_band(axes[1], history, result["devices"])
+    _plot_loss_scale(axes[2], history, result["precision"])
+    _plot_accuracy(axes[3], history, result["test_accuracy"])
+    for ax in axes:
+        for step in history.resumed_at:
+            ax.axvline(step, color="gray", ls=":", lw=1)
+            ax.annotate("resumed", (step, 0.97), xycoords=("data", "axes fraction"), fontsize=7)
+    fig.suptitle(
+        f"jdp: CNN on 1,440 digits, {result['devices']} devices, {result['precision']}, "
+        f"global batch {result['global_batch']}"
     )
-    a.legend()
-    b.legend(loc="lower right")
-    fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def _rows(history, key):
+    rows = [r for r in history.train if key in r]
+    return [r["step"] for r in rows], [r[key] for r in rows]
+
+
+def _plot_one_vs_n(ax, history, reference, result):
+    steps, loss = _rows(history, "loss")
+    ax.plot(steps, loss, lw=2.5, alpha=0.6, label=f"{result['devices']} devices")
+    if reference is not None:
+        ref_steps, ref_loss = _rows(reference, "loss")
+        ax.plot(ref_steps, ref_loss, "k--", lw=1, label="1 device")
+        text = f"max |params 1 dev - {result['devices']} dev|\n= {result['max_param_diff']:.2e}"
+    else:
+        text = "1-device run skipped (--no-reference)"
+    ax.text(0.35, 0.75, text, transform=ax.transAxes, fontsize=9)
+    ax.set(xlabel="step", ylabel="train loss", yscale="log", title="8 devices train like 1")
+    ax.legend(loc="lower left")
+
+
+def _plot_replica_band(ax, history, n):
+    rows = [r for r in history.train if "loss_per_replica" in r]
+    steps = [r["step"] for r in rows]
+    per_replica = np.array([r["loss_per_replica"] for r in rows])
+    ax.fill_between(steps, per_replica.min(1), per_replica.max(1), alpha=0.3, label="replica range")
+    ax.plot(steps, [r["loss"] for r in rows], "k", lw=1.2, label="global (step's weighting)")
+    ax.set(xlabel="step", ylabel="train loss", yscale="log", title=f"{n} replicas, own data")
+    ax.legend(loc="lower left")
+
+
+def _plot_loss_scale(ax, history, precision):
+    steps, scale = _rows(history, "loss_scale")
+    if not steps:
+        ax.text(0.5, 0.5, f"{precision}: no loss scaling\n(nothing to skip)", ha="center")
+        ax.set(title="loss scale", xticks=[], yticks=[])
+        return
+    _, skipped = _rows(history, "skipped_steps")
+    ax.step(steps, scale, where="post", label="loss scale")
+    new = [s for s, a, b in zip(steps[1:], skipped, skipped[1:], strict=False) if b > a]
+    ax.plot(new, [scale[steps.index(s)] for s in new], "rv", label="skipped by every replica")
+    ax.set(xlabel="step", yscale="log", title=f"loss scale ({int(skipped[-1])} steps skipped)")
+    ax.legend(loc="lower right")
+
+
+def _plot_accuracy(ax, history, final):
+    steps = [r["step"] for r in history.eval]
+    accuracy = [r["accuracy"] for r in history.eval]
+    ax.plot(steps, accuracy, "o-")
+    low = min(accuracy[len(accuracy) // 2 :] + [final])
+    ax.set(
+        xlabel="step",
+        ylabel="test accuracy",
+        ylim=(max(low - 0.02, 0.0), 1.0 + 0.002),
+        title=f"test accuracy {final:.4f} (all 357 images)",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m jdp.demo",
-        description="Train a small CNN on scikit-learn's handwritten digits with jdp.",
+        description="Train a small CNN on scikit-learn's handwritten digits with jdp, "
+        "on N devices and on 1, and draw what jdp promises.",
     )
-    parser.add_argument(
-        "--devices",
-        type=int,
-        default=8,
-        help="CPU devices to force (default 8); 0 keeps JAX's own devices",
+    add = parser.add_argument
+    add("--devices", type=int, default=8, help="CPU devices to force (default 8); 0 keeps JAX's")
+    add("--steps", type=_positive, default=600, help="training steps (default 600)")
+    add("--batch-size", type=_positive, default=128, help="global batch, a multiple of devices")
+    add("--precision", choices=PRECISIONS, default="bfloat16", help="compute dtype (bfloat16)")
+    add("--backend", choices=("pmap", "shard_map"), default="pmap", help="default pmap")
+    add("--learning-rate", type=float, default=3e-3, help="peak Adam rate, cosine-decayed")
+    add("--eval-every", type=_positive, default=50, help="steps between test evaluations")
+    add("--out", type=pathlib.Path, default=pathlib.Path("out/demo"), help="output folder")
+    add("--resume", action="store_true", help="continue from the checkpoint in --out")
+    add("--no-reference", action="store_true", help="skip the 1-device reference run")
+    add("--seed", type=int, default=0, help="seed for the split, the init and the shuffle")
+    add("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    if args.devices < 0:
+        parser.error(f"--devices must be >= 0, got {args.devices}")
+    return args
+
+
+def train(args, train_data, test_data, devices, checkpoints=None):
+    """Trains the CNN on ``devices``; returns ``(step, state, history, seconds)``."""
+    policy, loss_scale = precision_setup(args.precision)
+    backend = jdp.pmap if args.backend == "pmap" else jdp.shard_map
+    if args.backend == "pmap":
+        wrap = lambda step: backend(step, devices=devices)  # noqa: E731
+    else:
+        wrap = lambda step: backend(step, mesh=jax.sharding.Mesh(np.asarray(devices), ("batch",)))  # noqa: E731
+    train_step = wrap(jdp.make_train_step(loss_fn, has_aux=True, precision=policy))
+    eval_step = wrap(jdp.make_eval_step(metric_fn))
+    params = CNN().init(jax.random.key(args.seed), train_data["image"][:1])["params"]
+    tx = optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps))
+    state = train_step.replicate(jdp.TrainState.create(params=params, tx=tx, loss_scale=loss_scale))
+
+    def test_batches():
+        return jdp.BatchIterator(
+            test_data,
+            args.batch_size,
+            shuffle=False,
+            remainder="pad",
+            repeat=False,
+            num_devices=len(devices),
+        )
+
+    batches = jdp.BatchIterator(
+        train_data, args.batch_size, seed=args.seed, num_devices=len(devices)
     )
-    parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=128,
-        help="global batch size, a multiple of the device count (default 128)",
+    start = time.perf_counter()
+    state, history = jdp.fit(
+        train_step,
+        state,
+        batches,
+        num_steps=args.steps,
+        eval_step=eval_step,
+        eval_data=test_batches,
+        eval_every=args.eval_every,
+        checkpointer=checkpoints,
+        checkpoint_every=max(args.steps // 4, 1) if checkpoints is not None else None,
+        log_every=5,
+        progress=not args.quiet,
     )
-    parser.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="bfloat16",
-        help="compute dtype (default bfloat16; 16-bit runs use dynamic loss scaling)",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("pmap", "shard_map"),
-        default="pmap",
-        help="how the step runs (default pmap)",
-    )
-    parser.add_argument(
-        "--learning-rate",
-        type=float,
-        default=3e-3,
-        help="peak Adam learning rate, cosine-decayed (default 3e-3)",
-    )
-    parser.add_argument(
-        "--eval-every", type=int, default=50, help="steps between test evaluations (default 50)"
-    )
-    parser.add_argument(
-        "--out",
-        type=pathlib.Path,
-        default=pathlib.Path("out/demo"),
-        help="output folder (default out/demo)",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the checkpoint in --out instead of starting over",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed for the split, the init and the shuffle"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser.parse_args(argv)
+    seconds = time.perf_counter() - start
+    final = jdp.evaluate(eval_step, state, test_batches())
+    return train_step.unreplicate(state), history, final, seconds
 
 
 def main(argv=None) -> dict:
@@ -169,80 +268,78 @@ def main(argv=None) -> dict:
 
     matplotlib.use("Agg")
 
-    n = jax.local_device_count()
+    devices = jax.local_devices()
+    n = len(devices)
     if args.batch_size % n:
-        sys.exit(f"--batch-size {args.batch_size} is not a multiple of the {n} devices.")
-    train, test = load_splits(args.seed)
-
-    dtype = None if args.precision == "float32" else getattr(jnp, args.precision)
-    backend = jdp.pmap if args.backend == "pmap" else jdp.shard_map
-    train_step = backend(jdp.make_train_step(loss_fn, has_aux=True, compute_dtype=dtype))
-    eval_step = backend(jdp.make_eval_step(metric_fn))
-    params = CNN().init(jax.random.key(args.seed), train["image"][:1])["params"]
-    state = train_step.replicate(
-        jdp.TrainState.create(
-            params=params,
-            tx=optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps)),
-            loss_scale=None if dtype is None else jdp.DynamicLossScale(jnp.float32(2.0**15)),
-        )
-    )
-
-    checkpoints = args.out / "checkpoints"
-    if checkpoints.exists() and not args.resume:
-        shutil.rmtree(checkpoints)
+        raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of the {n} devices.")
+    train_data, test_data = load_splits(args.seed)
+    checkpoint_dir = args.out / "checkpoints"
+    if checkpoint_dir.exists() and not args.resume:
+        shutil.rmtree(checkpoint_dir)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    def test_batches():
-        return jdp.BatchIterator(
-            test, args.batch_size, shuffle=False, remainder="pad", repeat=False
-        )
-
     print(
-        f"jdp demo: {len(train['label'])} train / {len(test['label'])} test digits, {n} "
-        f"{jax.default_backend()} devices ({args.backend}), {args.precision} compute, "
-        f"global batch {args.batch_size}, {args.steps} steps"
+        f"jdp demo: {len(train_data['label'])} train / {len(test_data['label'])} test digits, "
+        f"{n} {jax.default_backend()} devices ({args.backend}), {args.precision} compute"
+        f"{' with dynamic loss scaling' if args.precision == 'float16' else ''}, "
+        f"global batch {args.batch_size} ({args.batch_size // n} per device), {args.steps} steps"
     )
-    with jdp.Checkpointer(checkpoints, max_to_keep=2) as ckpt:
-        state, history = jdp.fit(
-            train_step,
-            state,
-            jdp.BatchIterator(train, args.batch_size, seed=args.seed),
-            num_steps=args.steps,
-            eval_step=eval_step,
-            eval_data=test_batches,
-            eval_every=args.eval_every,
-            checkpointer=ckpt,
-            checkpoint_every=max(args.steps // 4, 1),
-            progress=not args.quiet,
-        )
+    with jdp.Checkpointer(checkpoint_dir, max_to_keep=2) as ckpt:
+        state, history, final, seconds = train(args, train_data, test_data, devices, ckpt)
         saved = ckpt.all_steps()
-    state, final = jdp.evaluate(eval_step, state, test_batches())
-    skipped = int(jdp.unreplicate(state).skipped_steps)
-
-    fig = plot_history(
-        history, final["accuracy"], f"jdp: CNN on digits, {n} devices, {args.precision}"
-    )
-    plot = args.out / "curves.png"
-    fig.savefig(plot, dpi=100)
+    reference = None
     result = {
         "test_accuracy": final["accuracy"],
         "test_loss": final["loss"],
-        "test_examples": final["count"],
-        "steps": int(jdp.unreplicate(state).step),
-        "skipped_steps": skipped,
+        "test_examples": int(final["weights"]["accuracy"]),
+        "steps": int(state.step),
+        "skipped_steps": int(state.skipped_steps),
         "devices": n,
+        "global_batch": args.batch_size,
         "precision": args.precision,
-        "plot": str(plot),
-        "checkpoints": str(checkpoints),
-        "checkpoint_steps": saved,
+        "backend": args.backend,
+        "examples_per_s": float(np.median([r["examples_per_s"] for r in history.train])),
+        "per_replica_loss": history.train[-1]["loss_per_replica"],
+        "resumed_at": history.resumed_at,
+        "max_param_diff": None,
     }
+    if not args.no_reference:
+        print(f"the same run on 1 device, for comparison ({args.steps} steps)")
+        one, reference, one_final, _ = train(args, train_data, test_data, devices[:1])
+        result["max_param_diff"] = max_difference(state.params, one.params)
+        result["reference_test_accuracy"] = one_final["accuracy"]
+    fig = plot_promises(history, reference, result)
+    plot = args.out / "promises.png"
+    fig.savefig(plot, dpi=90)
+    result.update(plot=str(plot), checkpoints=str(checkpoint_dir), checkpoint_steps=saved)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
-    print(
-        f"test accuracy {final['accuracy']:.4f} on all {final['count']} test digits "
-        f"(loss {final['loss']:.4f}, {skipped} skipped steps)"
-    )
-    print(f"wrote {plot}, {args.out / 'result.json'} and checkpoints {saved} in {checkpoints}")
+    _report(result, seconds)
     return result
+
+
+def _report(result: dict, seconds: float) -> None:
+    n = result["devices"]
+    print(
+        f"trained {result['steps']} steps in {seconds:.1f} s, "
+        f"{result['examples_per_s']:,.0f} examples/s on {n} devices"
+    )
+    if result["max_param_diff"] is not None:
+        print(
+            f"1 device vs {n}: largest parameter difference {result['max_param_diff']:.2e} "
+            f"(test accuracy {result['reference_test_accuracy']:.4f} vs "
+            f"{result['test_accuracy']:.4f})"
+        )
+    losses = result["per_replica_loss"]
+    print(f"last per-replica losses: {min(losses):.4f} .. {max(losses):.4f}")
+    print(f"skipped steps: {result['skipped_steps']} (every replica decides alike)")
+    print(
+        f"test accuracy {result['test_accuracy']:.4f} on all {result['test_examples']} "
+        f"test digits (loss {result['test_loss']:.4f})"
+    )
+    print(
+        f"wrote {result['plot']}, result.json and checkpoints {result['checkpoint_steps']} "
+        f"in {result['checkpoints']}"
+    )
 
 
 if __name__ == "__main__":

@@ -10,78 +10,96 @@ from jax import lax
 
 from jdp.replication import unreplicate
 from jdp.sharding import AXIS_NAME, batch_size
-from jdp.step import MASK_KEY
 from jdp.types import PyTree
+from jdp.weighting import WeightedLoss, weighted_mean
 
 
 def make_eval_step(
-    metric_fn: Callable[..., Mapping[str, jax.Array]],
+    metric_fn: Callable[..., Mapping[str, jax.Array | WeightedLoss]],
     *,
     axis_name: str = AXIS_NAME,
     has_model_state: bool = False,
 ):
-    """Builds a per-replica ``(state, batch) -> (state, totals)`` for evaluation.
+    """Builds a per-replica ``(state, batch) -> sums`` for evaluation.
 
     ``metric_fn(params, batch)`` (with ``model_state=`` when
-    ``has_model_state``) returns a dict of **per-example** values of shape
-    ``(b,)``. The step sums them over the real examples of the whole global
-    batch (the ``"mask"`` entry, when present, excludes padding) and counts
-    those examples. The state passes through unchanged, so the step can be
-    wrapped by :func:`jdp.pmap` or :func:`jdp.shard_map` like a training step.
-    Use :func:`evaluate` to run it over a dataset.
+    ``has_model_state``) returns a dict whose values are either per-example
+    arrays of shape ``(b,)`` (each example weighs 1) or
+    :class:`jdp.WeightedLoss` sums with their own weight, e.g.
+    ``jdp.weighted_mean(per_example, batch["mask"])`` to leave padding out,
+    or a per-token mask for per-token metrics. The step sums totals and
+    weights over the whole global batch. It reads the state and never
+    consumes it: wrapped by :func:`jdp.pmap` or :func:`jdp.shard_map` it does
+    not donate. Use :func:`evaluate` to run it over a dataset.
     """
 
     def eval_step(state, batch):
         extra = {"model_state": state.model_state} if has_model_state else {}
         values = metric_fn(state.params, batch, **extra)
-        size = batch_size(batch)
         if not isinstance(values, Mapping):
             raise TypeError(
-                f"metric_fn must return a dict of per-example arrays, got {type(values).__name__}."
+                f"metric_fn must return a dict of per-example arrays or jdp.WeightedLoss "
+                f"values, got {type(values).__name__}."
             )
+        size = batch_size(batch)
+        sums = {}
         for name, v in values.items():
-            if jnp.shape(v) != (size,):
-                raise ValueError(
-                    f"metric_fn's {name!r} must have one value per example, shape "
-                    f"({size},), got {jnp.shape(v)}. Return per-example values; jdp "
-                    "averages them exactly."
-                )
-        mask = batch[MASK_KEY] if isinstance(batch, Mapping) and MASK_KEY in batch else None
-        weight = jnp.ones(size, jnp.float32) if mask is None else mask.astype(jnp.float32)
-        sums = {
-            name: lax.psum(jnp.sum(jnp.where(weight > 0, v.astype(jnp.float32), 0.0)), axis_name)
-            for name, v in values.items()
-        }
-        return state, {"sums": sums, "count": lax.psum(jnp.sum(weight), axis_name)}
+            if not isinstance(v, WeightedLoss):
+                if jnp.shape(v) != (size,):
+                    raise ValueError(
+                        f"metric_fn's {name!r} must have one value per example, shape "
+                        f"({size},), or be a jdp.WeightedLoss; got shape {jnp.shape(v)}."
+                    )
+                v = weighted_mean(v)
+            sums[name] = (v.total.astype(jnp.float32), v.weight.astype(jnp.float32))
+        return lax.psum(sums, axis_name)
 
     eval_step.axis_name = axis_name
+    eval_step.returns_state = False
     return eval_step
 
 
-def evaluate(
-    wrapped_eval_step, state: PyTree, batches: Iterable[PyTree]
-) -> tuple[PyTree, dict[str, Any]]:
+def evaluate(wrapped_eval_step, state: PyTree, batches: Iterable[PyTree]) -> dict[str, Any]:
     """Runs a wrapped eval step over host ``batches``; returns exact means.
+
+    The state is only read: it stays valid for further training.
 
     Args:
       wrapped_eval_step: ``jdp.pmap(make_eval_step(...))`` or
         ``jdp.shard_map(...)``; its ``shard`` method places each batch.
-      state: the (replicated) training state; returned, as the step may
-        donate it.
+      state: the (replicated) training state.
       batches: host batches, e.g. ``BatchIterator(test, 64, shuffle=False,
-        remainder="pad", repeat=False)``, so no example is dropped.
+        remainder="pad", repeat=False)``, so no example is dropped (the
+        metric function leaves the padding out with its ``"mask"``).
 
     Returns:
-      ``(state, metrics)``: each metric's mean over every real example, in
-      float64 on the host, and ``count``, the number of examples seen.
+      Each metric's weighted mean over the whole dataset, in float64 on the
+      host, and ``"weights"``: each metric's total weight (for per-example
+      values, the number of examples counted).
+
+    Raises:
+      TypeError: the step is not an evaluation step.
+      ValueError: the batches held nothing of positive weight.
     """
+    if getattr(getattr(wrapped_eval_step, "step", None), "returns_state", True):
+        raise TypeError(
+            "evaluate needs a wrapped evaluation step, jdp.pmap(jdp.make_eval_step(metric_fn)) "
+            f"(or jdp.shard_map), got {type(wrapped_eval_step).__name__} wrapping a training "
+            "step; running it would train on the evaluation data."
+        )
     outs = []
     for batch in batches:
-        state, out = wrapped_eval_step(state, wrapped_eval_step.shard(batch))
-        outs.append(unreplicate(out))  # read back once, after the last batch
-    outs = jax.device_get(outs)
-    count = sum(float(out["count"]) for out in outs)
-    if count == 0:
-        raise ValueError("evaluate: the batches held no real examples.")
-    totals = {name: sum(np.float64(out["sums"][name]) for out in outs) for name in outs[0]["sums"]}
-    return state, {**{name: float(t / count) for name, t in totals.items()}, "count": int(count)}
+        outs.append(unreplicate(wrapped_eval_step(state, wrapped_eval_step.shard(batch))))
+    outs = jax.device_get(outs)  # read back once, after the last batch
+    if not outs:
+        raise ValueError("evaluate: the batches were empty; there is nothing to evaluate.")
+    result: dict[str, Any] = {}
+    weights = {}
+    for name in outs[0]:
+        total = sum(np.float64(out[name][0]) for out in outs)
+        weights[name] = sum(np.float64(out[name][1]) for out in outs)
+        if weights[name] <= 0:
+            raise ValueError(f"evaluate: metric {name!r} has total weight 0 (no real examples).")
+        result[name] = float(total / weights[name])
+    result["weights"] = {name: float(w) for name, w in weights.items()}
+    return result

@@ -1,12 +1,13 @@
 """A thin, optional training loop. Read it, copy it, replace it.
 
-Everything here is a composition of public jdp pieces: a wrapped step, a
-BatchIterator, prefetching, evaluation and a Checkpointer.
+Everything here is a composition of public jdp pieces: a wrapped step, any
+iterable of host batches, prefetching, evaluation and a Checkpointer.
 """
 
 import dataclasses
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -14,32 +15,42 @@ import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jdp.checkpoint import Checkpointer
-from jdp.data import BatchIterator, prefetch_to_device
+from jdp.data import prefetch_to_device
 from jdp.evaluation import evaluate
 from jdp.replication import gather_replicas, unreplicate
 from jdp.types import PyTree
 
+# Metrics that are the same on every replica, or counts: never weighted.
+UNWEIGHTED = ("weight", "grads_finite", "loss_scale", "skipped_steps", "grad_norm")
+
 
 @dataclasses.dataclass
 class History:
-    """What :func:`fit` observed: one row per logged step and per evaluation."""
+    """What :func:`fit` observed: one row per logged step and per evaluation.
+
+    Saved with every checkpoint ``fit`` writes and restored on resume, so the
+    curves of a resumed run continue; ``resumed_at`` lists the steps a run
+    resumed from.
+    """
 
     train: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    resumed_at: list[int] = dataclasses.field(default_factory=list)
 
 
 def fit(
     train_step,
     state: PyTree,
-    train_data: BatchIterator,
+    train_data: Iterable[PyTree],
     *,
     num_steps: int,
     eval_step=None,
-    eval_data: Callable[[], Any] | None = None,
+    eval_data: Callable[[], Iterable[PyTree]] | None = None,
     eval_every: int | None = None,
     checkpointer: Checkpointer | None = None,
     checkpoint_every: int | None = None,
     on_epoch_end: Callable[[int, PyTree], PyTree | None] | None = None,
+    callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
     log_every: int = 10,
     progress: bool = True,
 ) -> tuple[PyTree, History]:
@@ -49,8 +60,10 @@ def fit(
       train_step: ``jdp.pmap(make_train_step(...))`` or ``jdp.shard_map(...)``.
       state: the initial state, placed by ``train_step.replicate``; also the
         template for restoring.
-      train_data: a repeating :class:`jdp.BatchIterator`; its position is
-        checkpointed and restored.
+      train_data: any iterable of host batches (this process's part of each
+        global batch): a :class:`jdp.BatchIterator`, a generator, a grain
+        loader. If it has ``get_state()``/``set_state()``, its position is
+        checkpointed and restored, so a resumed run sees the same batches.
       num_steps: the step counter to stop at.
       eval_step: a wrapped :func:`jdp.make_eval_step`, run every
         ``eval_every`` steps and at the end over ``eval_data()`` (a callable
@@ -58,80 +71,206 @@ def fit(
       checkpointer: save every ``checkpoint_every`` steps and at the end, and
         resume from its latest checkpoint when there is one.
       on_epoch_end: called as ``on_epoch_end(epoch, state)`` after the step
-        that completes an epoch (Chainer's ``auto_new_epoch``); may return a
-        new state.
-      log_every: steps between metric read-backs (each blocks on the device).
-      progress: show a rich progress bar with the loss and examples/s.
+        that completes an epoch (for iterators with ``is_new_epoch`` and
+        ``epoch``, like Chainer's ``auto_new_epoch``); may return a new state.
+      callbacks: each called with every logged row (a dict: ``step``, global
+        metrics, per-replica lists); e.g. a TensorBoard writer.
+      log_every: steps between metric read-backs (each waits for the device).
+      progress: show a rich progress bar with the loss and throughput.
 
     Returns:
       ``(state, history)``.
     """
-    if checkpointer is not None and checkpointer.latest_step() is not None:
-        state, extra = checkpointer.restore(state)
-        train_data.set_state(extra["data"])
-    step = _step_of(state)
+    _check_fit_args(
+        train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
+    )
     history = History()
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        state, history = _resume(checkpointer, state, train_data)
+    step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
     # so hooks and checkpoints see the position of the batch just trained on.
     batches = prefetch_to_device(
         _with_position(train_data), shard_fn=lambda item: (train_step.shard(item[0]), item[1])
     )
-    position = train_data.get_state()
-    bar = Progress(
-        TextColumn("[bold]train"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeRemainingColumn(),
-        disable=not progress,
-    )
-    with bar:
+    position = _position(train_data)
+    meter = _Throughput()
+    with _progress_bar(progress) as bar:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
-        tick, examples = time.perf_counter(), 0
         while step < num_steps:
-            batch, (position, new_epoch) = next(batches)
+            try:
+                batch, (position, examples, epoch) = next(batches)
+            except StopIteration:
+                raise ValueError(
+                    f"fit: train_data ran out after step {step} of {num_steps}; pass a "
+                    "repeating iterator (BatchIterator(..., repeat=True)) or fewer steps."
+                ) from None
             state, metrics = train_step(state, batch)
             step += 1
-            examples += train_data.batch_size
-            if new_epoch and on_epoch_end is not None:
-                state = on_epoch_end(position["epoch"], state) or state
+            meter.add(examples, metrics.get("weight"))
+            if epoch is not None and on_epoch_end is not None:
+                state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
-                row = _log_row(step, metrics, examples / (time.perf_counter() - tick))
+                row = {"step": step, **meter.read(), **_global_metrics(metrics)}
                 history.train.append(row)
-                bar.update(
-                    task,
-                    completed=step,
-                    status=f"loss {row['loss']:.4f}  {row['examples_per_s']:.0f} ex/s",
-                )
-                tick, examples = time.perf_counter(), 0
-            if eval_step is not None and (
-                step == num_steps or (eval_every and step % eval_every == 0)
-            ):
-                state, result = evaluate(eval_step, state, eval_data())
-                history.eval.append({"step": step, **result})
-            if checkpointer is not None and (
-                step == num_steps or (checkpoint_every and step % checkpoint_every == 0)
-            ):
-                checkpointer.save(step, state, extra={"data": position})
+                for callback in callbacks:
+                    callback(row)
+                bar.update(task, completed=step, status=_status(row))
+            if eval_step is not None and _due(step, num_steps, eval_every):
+                history.eval.append({"step": step, **evaluate(eval_step, state, eval_data())})
+            if checkpointer is not None and _due(step, num_steps, checkpoint_every):
+                extra = {"data": position, "history": dataclasses.asdict(history)}
+                checkpointer.save(step, state, extra=extra)
     if checkpointer is not None:
         checkpointer.wait_until_finished()
     return state, history
 
 
-def _with_position(data: BatchIterator):
+def _due(step: int, num_steps: int, every: int | None) -> bool:
+    return step == num_steps or bool(every and step % every == 0)
+
+
+def _check_fit_args(
+    train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
+) -> None:
+    if not getattr(getattr(train_step, "step", None), "returns_state", True):
+        raise TypeError(
+            "fit: train_step is an evaluation step (jdp.make_eval_step); pass a wrapped "
+            "jdp.make_train_step as train_step and the evaluation step as eval_step."
+        )
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
+        raise ValueError(f"fit: num_steps must be an int >= 0, got {num_steps!r}.")
+    if (eval_step is None) != (eval_data is None):
+        given, missing = (
+            ("eval_step", "eval_data") if eval_data is None else ("eval_data", "eval_step")
+        )
+        raise ValueError(f"fit: {given} was given without {missing}; pass both or neither.")
+    if eval_data is not None and not callable(eval_data):
+        raise TypeError(
+            "fit: eval_data must be a callable returning a fresh iterable of batches, e.g. "
+            "lambda: jdp.BatchIterator(test, 64, shuffle=False, remainder='pad', repeat=False)."
+        )
+    if eval_every is not None and eval_step is None:
+        raise ValueError("fit: eval_every was given without eval_step and eval_data.")
+    if checkpoint_every is not None and checkpointer is None:
+        raise ValueError(
+            "fit: checkpoint_every was given without a checkpointer, so nothing would be "
+            "saved; pass checkpointer=jdp.Checkpointer(directory)."
+        )
+
+
+def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTree, History]:
+    state, extra = checkpointer.restore(state)
+    step = _step_of(state)
+    if not isinstance(extra, dict) or "data" not in extra:
+        raise ValueError(
+            f"fit: checkpoint {step} in {checkpointer.directory} was not written by fit (its "
+            "extra holds no data position), so fit cannot resume it exactly. Restore it "
+            "yourself with checkpointer.restore(state) and train into a new directory, or "
+            "save with extra={'data': train_data.get_state()}."
+        )
+    if extra["data"] is not None:
+        if not hasattr(train_data, "set_state"):
+            raise TypeError(
+                f"fit: checkpoint {step} holds a data position, but train_data "
+                f"({type(train_data).__name__}) has no set_state(); resume with the same "
+                "kind of iterator."
+            )
+        train_data.set_state(extra["data"])
+    else:
+        warnings.warn(
+            f"fit: resuming from step {step}, but the run that wrote it had data without "
+            "get_state(), so the data starts over from its beginning.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    saved = extra.get("history") or {}
+    history = History(**{f.name: list(saved.get(f.name, [])) for f in dataclasses.fields(History)})
+    history.resumed_at.append(step)
+    return state, history
+
+
+def _run_hook(hook, epoch: int, state: PyTree) -> PyTree:
+    new = hook(epoch, state)
+    if new is None:
+        return state
+    if jax.tree.structure(new) != jax.tree.structure(state):
+        raise TypeError(
+            f"fit: on_epoch_end returned a {type(new).__name__} whose structure differs "
+            "from the state's; return the (updated) state or None."
+        )
+    return new
+
+
+def _position(data) -> Any:
+    return data.get_state() if hasattr(data, "get_state") else None
+
+
+def _with_position(data: Iterable[PyTree]):
+    """``(batch, (position after it, its global example count, finished epoch or None))``."""
+    processes = jax.process_count()
     for batch in data:
-        yield batch, (data.get_state(), data.is_new_epoch)
+        examples = jax.tree.leaves(batch)[0].shape[0] * processes if jax.tree.leaves(batch) else 0
+        epoch = data.epoch if getattr(data, "is_new_epoch", False) else None
+        yield batch, (_position(data), examples, epoch)
 
 
 def _step_of(state: PyTree) -> int:
     return int(np.asarray(jax.device_get(unreplicate(state.step))))
 
 
-def _log_row(step: int, metrics: dict, examples_per_s: float) -> dict[str, Any]:
+class _Throughput:
+    """Examples/s, or with a weighted loss weight/s (real examples, tokens)."""
+
+    def __init__(self):
+        self._tick, self._examples, self._weights = time.perf_counter(), 0, []
+
+    def add(self, examples: int, weight) -> None:
+        self._examples += examples
+        if weight is not None:
+            self._weights.append(weight)  # device arrays: summed at read time, no wait
+
+    def read(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self._tick, 1e-9)
+        if self._weights:
+            total = float(np.sum(gather_replicas(self._weights)))
+            out = {"weight_per_s": total / elapsed}
+        else:
+            out = {"examples_per_s": self._examples / elapsed}
+        self.__init__()
+        return out
+
+
+def _global_metrics(metrics: dict) -> dict[str, Any]:
+    """Global values by the step's own weighting, plus per-replica lists."""
     host = gather_replicas(metrics)
-    row: dict[str, Any] = {"step": step, "examples_per_s": examples_per_s}
+    weight = np.asarray(host["weight"], np.float64) if "weight" in host else None
+    row: dict[str, Any] = {}
     for name, value in host.items():
-        value = np.asarray(value)
-        row[name] = float(value.mean())
+        value = np.asarray(value, np.float64)
+        if name == "weight":
+            row[name] = float(value.sum())
+        elif weight is None or name in UNWEIGHTED or value.shape != weight.shape:
+            row[name] = float(value.mean())
+        else:
+            total = weight.sum()
+            row[name] = float((value * weight).sum() / total) if total > 0 else 0.0
         row[f"{name}_per_replica"] = value.tolist()
     return row
+
+
+def _status(row: dict[str, Any]) -> str:
+    rate = row.get("examples_per_s", row.get("weight_per_s", 0.0))
+    unit = "ex/s" if "examples_per_s" in row else "weight/s"
+    return f"loss {row['loss']:.4f}  {rate:.0f} {unit}"
+
+
+def _progress_bar(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        disable=not enabled,
+    )

@@ -47,12 +47,24 @@ def _check_scale(name: str, value) -> None:
 
 
 def _scale_tree(tree: PyTree, factor: jax.Array) -> PyTree:
-    return jax.tree.map(lambda x: x * factor.astype(x.dtype), tree)
+    # In float32 whatever the leaf dtype, as jmp does: a float16 leaf times a
+    # float32 scale promotes, while casting the scale to float16 would turn
+    # 65536 into inf.
+    def scale(x):
+        return jnp.asarray(x, jnp.promote_types(jnp.result_type(x), jnp.float32)) * factor
+
+    return jax.tree.map(scale, tree)
 
 
 def _unscale_tree(tree: PyTree, factor: jax.Array) -> PyTree:
-    # Divide in float32 and cast back, so float16 leaves lose nothing extra.
-    return jax.tree.map(lambda x: (x.astype(jnp.float32) / factor).astype(x.dtype), tree)
+    # Divide in float32 and cast back, so float16 leaves lose nothing extra;
+    # integer leaves are not gradients and pass through.
+    def unscale(x):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return x
+        return (jnp.asarray(x, jnp.float32) / factor).astype(jnp.result_type(x))
+
+    return jax.tree.map(unscale, tree)
 
 
 @pytree.dataclass
@@ -156,6 +168,14 @@ class DynamicLossScale:
             raise ValueError(f"DynamicLossScale.factor must be finite and > 1, got {self.factor}.")
         if _is_concrete(self.counter) and int(np.asarray(self.counter)) < 0:
             raise ValueError(f"DynamicLossScale.counter must be >= 0, got {self.counter}.")
+        if _is_concrete(self.loss_scale) and self.min_loss_scale > float(
+            np.asarray(self.loss_scale)
+        ):
+            raise ValueError(
+                f"DynamicLossScale: min_loss_scale={self.min_loss_scale} is above the initial "
+                f"loss_scale={float(np.asarray(self.loss_scale))}; the floor would make the "
+                "scale grow on overflow. Lower min_loss_scale or raise loss_scale."
+            )
         object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
         object.__setattr__(self, "counter", jnp.asarray(self.counter, jnp.int32))
         object.__setattr__(self, "min_loss_scale", float(self.min_loss_scale))

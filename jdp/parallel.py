@@ -10,6 +10,7 @@ backend by changing one line::
     params = train_step.unreplicate(state).params
 """
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -24,6 +25,19 @@ from jdp.state import TrainState
 from jdp.types import PyTree
 
 Step = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+
+
+def _donation(step: Step, donate_state: bool | None, backend: str) -> tuple[int, ...]:
+    """``donate_argnums``: the state, for steps that return a new one."""
+    returns_state = getattr(step, "returns_state", True)
+    if donate_state is None:
+        donate_state = returns_state
+    if donate_state and not returns_state:
+        raise ValueError(
+            f"jdp.{backend}(donate_state=True) on an evaluation step: it returns no state, "
+            "so donating would delete the caller's state. Leave donate_state unset."
+        )
+    return (0,) if donate_state else ()
 
 
 def _check_axis_name(step: Step, axis_name: str, backend: str) -> None:
@@ -41,9 +55,10 @@ class PmapStep:
     Built by :func:`jdp.pmap`. Call it as ``step(state, batch)``.
     """
 
-    def __init__(self, step: Step, *, axis_name: str, donate_state: bool, devices):
+    def __init__(self, step: Step, *, axis_name: str, donate_state: bool | None, devices):
         _check_axis_name(step, axis_name, "pmap")
         check_initialized()
+        self.step = step
         # devices=None maps over every process's devices; each process feeds
         # and receives arrays over its local ones.
         self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -52,7 +67,7 @@ class PmapStep:
             step,
             axis_name=axis_name,
             devices=None if devices is None else self.devices,
-            donate_argnums=(0,) if donate_state else (),
+            donate_argnums=_donation(step, donate_state, "pmap"),
         )
         warn_if_cpu_pool_unsafe(len(self.devices))
 
@@ -61,7 +76,7 @@ class PmapStep:
         _check_state(state, n, expected_ndim=1, layout="pmap")
         if not _leading_axes_ok(batch, lambda size: size == n):
             _explain_leading(batch, n)
-        return self._fn(state, batch)
+        return _call(self._fn, state, batch, self.axis_name, "pmap")
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
@@ -89,9 +104,10 @@ class ShardMapStep:
     as under pmap. Built by :func:`jdp.shard_map`.
     """
 
-    def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool):
+    def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool | None):
         _check_axis_name(step, axis_name, "shard_map")
         check_initialized()
+        self.step = step
         if mesh is None:
             mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
         if mesh.axis_names != (axis_name,):
@@ -103,20 +119,27 @@ class ShardMapStep:
         self.axis_name = axis_name
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
 
+        returns_state = getattr(step, "returns_state", True)
+
         def per_replica(state, batch):
-            state, metrics = step(state, batch)
+            out = step(state, batch)
+            if not returns_state:  # evaluation: per-replica outputs only
+                return jax.tree.map(lambda m: m[None], out)
+            state, metrics = out
             return state, jax.tree.map(lambda m: m[None], metrics)
 
         # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
         # the only gradient reduction (see docs/backends.md).
+        per_replica_spec = PartitionSpec(axis_name)
         mapped = jax.shard_map(
             per_replica,
             mesh=mesh,
             in_specs=(PartitionSpec(), PartitionSpec(axis_name)),
-            out_specs=(PartitionSpec(), PartitionSpec(axis_name)),
+            out_specs=(PartitionSpec(), per_replica_spec) if returns_state else per_replica_spec,
             check_vma=False,
         )
-        self._fn = jax.jit(mapped, donate_argnums=(0,) if donate_state else ())
+        self._fn = jax.jit(mapped, donate_argnums=_donation(step, donate_state, "shard_map"))
+        self._warned_layout = False
         warn_if_cpu_pool_unsafe(mesh.size)
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
@@ -124,7 +147,16 @@ class ShardMapStep:
         _check_state(state, n, expected_ndim=0, layout="shard_map")
         if not _leading_axes_ok(batch, lambda size: size % n == 0):
             divisible_batch_size(batch, n)  # raises, naming the leaf
-        return self._fn(state, batch)
+        if n > 1 and not self._warned_layout and _leading_axes_ok(batch, lambda s: s == n):
+            self._warned_layout = True
+            warnings.warn(
+                f"Every batch leaf has a leading axis of {n}, the device count: one example "
+                "per device, or a pmap-layout batch (n, B // n, ...) from jdp.shard? "
+                "jdp.shard_map expects the global (B, ...) batch: use step.shard(batch).",
+                UserWarning,
+                stacklevel=2,
+            )
+        return _call(self._fn, state, batch, self.axis_name, "shard_map")
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
@@ -155,7 +187,7 @@ def pmap(
     step: Step,
     *,
     axis_name: str = AXIS_NAME,
-    donate_state: bool = True,
+    donate_state: bool | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> PmapStep:
     """Runs a per-replica step on every local device with ``jax.pmap``.
@@ -164,8 +196,9 @@ def pmap(
       step: ``(state, batch) -> (state, metrics)``, e.g. from
         :func:`jdp.make_train_step`.
       axis_name: the data axis; must match the step's.
-      donate_state: donate the input state's buffers to the output (the
-        caller must not reuse the old state). Pass False for evaluation steps.
+      donate_state: donate the input state's buffers to the output, so the
+        old state is consumed (calling a step with it again raises). Default:
+        True for training steps, False for :func:`jdp.make_eval_step` steps.
       devices: default: every device of every process (each process passes
         arrays over its local devices).
 
@@ -188,7 +221,7 @@ def shard_map(
     *,
     mesh: Mesh | None = None,
     axis_name: str = AXIS_NAME,
-    donate_state: bool = True,
+    donate_state: bool | None = None,
 ) -> ShardMapStep:
     """Runs a per-replica step with ``jax.jit(jax.shard_map(...))`` on a 1-D mesh.
 
@@ -200,7 +233,8 @@ def shard_map(
         :func:`jdp.make_train_step`.
       mesh: a 1-D mesh with the axis ``axis_name`` (default: every device).
       axis_name: the data axis; must match the step's.
-      donate_state: donate the input state's buffers to the output.
+      donate_state: donate the input state's buffers to the output (default:
+        True for training steps, False for evaluation steps).
 
     Returns:
       A :class:`ShardMapStep`.
@@ -209,11 +243,35 @@ def shard_map(
       >>> import jax.numpy as jnp, numpy as np, optax, jdp
       >>> step = jdp.shard_map(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
       >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
-      >>> state, metrics = step(state, step.shard(np.ones(8, np.float32)))
+      >>> state, metrics = step(state, step.shard(np.ones(16, np.float32)))
       >>> round(float(step.unreplicate(state).params), 4), metrics["loss"].shape
       (0.8, (8,))
     """
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
+
+
+def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str):
+    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error."""
+    leaves = jax.tree.leaves(state)
+    # A donated buffer reused segfaults this JAX (7/7 runs); one check per leaf
+    # costs microseconds and turns that into an error.
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        raise RuntimeError(
+            "This state was consumed by an earlier step call: steps donate their input "
+            "state's buffers to the new state (jdp.pmap/jdp.shard_map donate_state). Use "
+            "the state the step returned (state, metrics = step(state, batch)); after "
+            "re-running a notebook cell, re-create or restore the state."
+        )
+    try:
+        return fn(state, batch)
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise
+        raise NameError(
+            f"The step uses a collective over an axis jdp.{backend} does not bind: {e}. "
+            f"This backend binds axis_name={axis_name!r}; use that name in lax.psum/pmean "
+            "calls inside the step (and in make_train_step(axis_name=...))."
+        ) from None
 
 
 def _check_state(state: PyTree, n: int, *, expected_ndim: int, layout: str) -> None:

@@ -57,8 +57,21 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
       >>> jdp.replicate({"w": jnp.ones(3)})["w"].shape
       (8, 3)
     """
+    _check_single_copy(tree, "replicate")
     sharding = NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
     return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), from_process0(tree))
+
+
+def _check_single_copy(tree: PyTree, what: str) -> None:
+    """Refuses a tree that is already spread over several devices."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+            raise ValueError(
+                f"{what}: leaf {jax.tree_util.keystr(path) or '<root>'} is already on "
+                f"{len(x.sharding.device_set)} devices (shape {x.shape}); {what} takes one "
+                "copy. Was the tree replicated already? Pass it as it is, or "
+                f"{what}(jdp.unreplicate(tree)) to re-place it."
+            )
 
 
 def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
@@ -73,6 +86,7 @@ def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
       >>> w.shape, w.sharding.is_fully_replicated
       ((3,), True)
     """
+    _check_single_copy(tree, "replicate_across")
     sharding = NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), from_process0(tree))
 
@@ -104,13 +118,36 @@ def unreplicate(tree: PyTree) -> PyTree:
       >>> jdp.unreplicate(jdp.replicate({"w": jnp.ones(3)}))["w"].shape
       (3,)
     """
-    for name, leaf in leaves_with_paths(tree, "unreplicate input"):
-        if leaf.ndim == 0 and not _is_mesh_replicated(leaf):
-            raise ValueError(
-                f"unreplicate expects a leading device axis, but leaf {name} is "
-                "a scalar: was the tree replicated?"
-            )
+    _check_replicated(tree, "unreplicate")
     return jax.tree.map(_replica0, tree)
+
+
+def _check_replicated(tree: PyTree, what: str) -> None:
+    """Refuses trees that were never replicated (whose row 0 is not a replica)."""
+    for name, leaf in leaves_with_paths(tree, f"{what} input"):
+        if _is_mesh_replicated(leaf) or _is_device_stacked(leaf):
+            continue
+        raise ValueError(
+            f"{what} expects a replicated tree (jdp.replicate, a step's state or "
+            f"outputs), but leaf {name} (shape {leaf.shape}) "
+            + (
+                "lives on a single device: it was never replicated."
+                if isinstance(leaf, jax.Array)
+                else f"is a host {type(leaf).__name__}, not a replicated jax.Array."
+            )
+        )
+
+
+def _is_device_stacked(x) -> bool:
+    """A leading device axis sharded one row per device (the pmap layout)."""
+    return (
+        isinstance(x, jax.Array)
+        and x.ndim >= 1
+        and isinstance(x.sharding, NamedSharding)
+        and len(x.sharding.spec) >= 1
+        and x.sharding.spec[0] is not None
+        and x.shape[0] == x.sharding.mesh.size
+    )
 
 
 def _is_mesh_replicated(x) -> bool:
@@ -125,11 +162,9 @@ def _is_mesh_replicated(x) -> bool:
 def _replica0(x):
     if _is_mesh_replicated(x):
         return x.addressable_shards[0].data
-    if isinstance(x, jax.Array):
-        # The first replica this process holds: replica 0 in a single process.
-        first = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return first.data[0]
-    return x[0]
+    # The first replica this process holds: replica 0 in a single process.
+    first = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return first.data[0]
 
 
 def gather_replicas(tree: PyTree) -> PyTree:
@@ -188,6 +223,12 @@ def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTr
     """
     if isinstance(source, bool) or not isinstance(source, int) or source < 0:
         raise ValueError(f"broadcast: source must be a replica index >= 0, got {source!r}.")
+    n = lax.axis_size(axis_name)
+    if source >= n:
+        raise ValueError(
+            f"broadcast: source={source} but axis {axis_name!r} has {n} replicas "
+            f"(indices 0..{n - 1})."
+        )
     return jax.tree.map(lambda x: _pbroadcast(x, axis_name, source), tree)
 
 
@@ -218,6 +259,7 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
       >>> jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}))
     """
     several = jax.process_count() > 1
+    _check_replicated(tree, "assert_replicas_in_sync")
     for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
         replicas = _replicas(leaf)
         _assert_rows_close(name, replicas, atol, "replica", "Replicas", "replica 0")
@@ -244,11 +286,9 @@ def _replicas(x) -> list[np.ndarray]:
         x = jax.random.key_data(x)
     if _is_mesh_replicated(x):
         return [np.asarray(jax.device_get(s.data)) for s in x.addressable_shards]
-    if isinstance(x, jax.Array):
-        shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-        blocks = [np.asarray(jax.device_get(s.data)) for s in shards]
-        return [row for block in blocks for row in block]
-    return list(np.asarray(x))
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    blocks = [np.asarray(jax.device_get(s.data)) for s in shards]
+    return [row for block in blocks for row in block]
 
 
 def _close(a: np.ndarray, b: np.ndarray, atol: float) -> bool:

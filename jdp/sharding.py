@@ -66,8 +66,8 @@ def divisible_batch_size(tree: PyTree, n: int) -> int:
         raise ValueError(
             f"Cannot shard batch leaf {name} with B={size} examples over n={n} "
             f"devices: B % n = {size % n}. Use a batch size divisible by {n}, "
-            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` and pass the "
-            'mask in the batch as batch["mask"].'
+            "or pad it with `batch, mask = jdp.pad_batch(batch, n)` and leave the "
+            "padding out of the loss with jdp.weighted_mean(per_example_loss, mask)."
         )
     return size
 
@@ -125,7 +125,8 @@ def pad_batch(tree: PyTree, multiple: int) -> tuple[PyTree, np.ndarray]:
     """Pads a batch with zeros to a multiple of ``multiple`` examples.
 
     Returns the padded batch and a boolean mask, True for real examples. Put
-    the mask in a dict batch under ``"mask"``: the step then weights every
+    the mask in the batch and return ``jdp.weighted_mean(per_example, mask)``
+    from the loss: the step then weights every
     replica by its number of real examples (see :func:`jdp.make_train_step`).
 
     Example:

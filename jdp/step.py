@@ -5,7 +5,7 @@ over ``axis_name``, so ``jdp.pmap`` and ``jdp.shard_map`` wrap it unchanged.
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -13,33 +13,31 @@ import optax
 from jax import lax
 
 from jdp.loss_scale import NoOpLossScale, all_finite
-from jdp.sharding import AXIS_NAME, batch_size
+from jdp.precision import Policy, as_policy
+from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths
 from jdp.state import TrainState
 from jdp.types import PyTree
+from jdp.weighting import WeightedLoss, safe_divide, weighted_average, zero_where_weightless
 
-MASK_KEY = "mask"
-RESERVED_METRICS = ("loss", "grads_finite", "loss_scale", "skipped_steps")
+RESERVED_METRICS = ("loss", "weight", "grads_finite", "loss_scale", "skipped_steps", "grad_norm")
 GRAD_REDUCTIONS = ("mean", "sum")
 
 Step = Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]
 
 
-def masked_mean(values: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """The mean of ``values`` over the examples where ``mask`` is True.
+class Local(NamedTuple):
+    """One replica's (or micro-batch's) contribution, before any collective.
 
-    Zero when there are none, so a replica holding only padding contributes
-    nothing. With ``mask=None``, the plain mean.
-
-    Example:
-      >>> import jax.numpy as jnp, jdp
-      >>> float(jdp.masked_mean(jnp.array([1.0, 3.0, 100.0]), jnp.array([True, True, False])))
-      2.0
+    ``grads`` is the gradient of the scaled loss: of the summed ``total`` for a
+    :class:`jdp.WeightedLoss` (``weight`` its weight), of the mean loss for a
+    plain scalar (``weight`` None). ``aux`` holds the aux metrics.
     """
-    if mask is None:
-        return jnp.mean(values)
-    mask = mask.astype(values.dtype).reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
-    count = jnp.sum(mask) * (values.size // max(mask.size, 1))
-    return jnp.sum(values * mask) / jnp.maximum(count, 1)
+
+    grads: PyTree
+    total: jax.Array
+    weight: jax.Array | None
+    model_state: PyTree
+    aux: dict[str, jax.Array]
 
 
 def replica_rng(key: jax.Array, step: jax.Array, axis_name: str = AXIS_NAME) -> jax.Array:
@@ -50,48 +48,98 @@ def replica_rng(key: jax.Array, step: jax.Array, axis_name: str = AXIS_NAME) -> 
     return jax.random.fold_in(jax.random.fold_in(key, step), lax.axis_index(axis_name))
 
 
-def cast_floating(tree: PyTree, dtype: Any) -> PyTree:
-    """Casts the floating leaves of ``tree`` to ``dtype``; others pass through."""
-    if dtype is None:
-        return tree
-    return jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-    )
-
-
 def reduce_gradients(
     grads: PyTree,
     axis_name: str,
     grad_reduce: str,
-    count: jax.Array | None = None,
+    weight: jax.Array | None = None,
 ) -> PyTree:
     """All-reduces per-replica gradients.
 
     Args:
-      grads: this replica's gradient (with ``count``: the count-weighted sum).
+      grads: this replica's gradient; of its summed loss when ``weight`` is
+        given, of its mean loss otherwise.
       axis_name: the data axis.
-      grad_reduce: ``"mean"``, the gradient of the mean loss over the global
-        batch; ``"sum"``, the sum of per-replica gradients (Chainer's
+      grad_reduce: ``"mean"``: with a weight, the gradients and weights are
+        summed over replicas and divided once (the gradient of
+        ``sum(totals) / sum(weights)``); without, the mean over replicas.
+        ``"sum"``: the sum of per-replica mean gradients (Chainer's
         ``addgrads``, Caffe2's all-reduce).
-      count: this replica's number of real examples when the batch carries a
-        mask; replicas are then weighted by it.
+      weight: this replica's weight (:class:`jdp.WeightedLoss`), or None for
+        equal replica weights.
     """
-    if count is None:
+    if weight is None:
         reduce = lax.pmean if grad_reduce == "mean" else lax.psum
         return reduce(grads, axis_name)
     if grad_reduce == "mean":
-        total = jnp.maximum(lax.psum(count, axis_name), 1.0)
-        return jax.tree.map(lambda g: g / total.astype(g.dtype), lax.psum(grads, axis_name))
-    local = jnp.maximum(count, 1.0)
-    return lax.psum(jax.tree.map(lambda g: g / local.astype(g.dtype), grads), axis_name)
-
-
-def average_model_state(model_state: PyTree, axis_name: str) -> PyTree:
-    """Averages floating model state (e.g. batch-norm statistics) across replicas."""
-    return jax.tree.map(
-        lambda x: lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-        model_state,
+        grads, total = lax.psum((grads, weight), axis_name)
+        return jax.tree.map(lambda g: safe_divide(g, total.astype(g.dtype)), grads)
+    return lax.psum(
+        jax.tree.map(lambda g: safe_divide(g, weight.astype(g.dtype)), grads), axis_name
     )
+
+
+def apply_gradients(
+    state: TrainState, grads: PyTree, *, model_state: PyTree = None
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Applies all-reduced, unscaled gradients; skips the update where they are not finite.
+
+    The tail of every jdp step, exported for custom steps. It runs
+    ``state.tx``; with a static or dynamic loss scale it decides once whether
+    ``grads`` are finite (identical on every replica, since they were
+    all-reduced), keeps params, optimizer state and model state bit-for-bit
+    unchanged on a skipped step, counts it in ``skipped_steps`` and adjusts
+    the loss scale. The step counter always advances.
+
+    Args:
+      state: the state before the step.
+      grads: the reduced gradients, already unscaled
+        (``state.loss_scale.unscale(...)``).
+      model_state: the new model state, or None to keep ``state.model_state``.
+
+    Returns:
+      ``(new_state, metrics)``; metrics hold ``grads_finite``, ``loss_scale``
+      (the scale this step used) and ``skipped_steps`` unless the loss scale
+      is a :class:`jdp.NoOpLossScale`.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> state = jdp.TrainState.create(params=jnp.ones(2), tx=optax.sgd(1.0),
+      ...                               loss_scale=jdp.StaticLossScale(2.0**10))
+      >>> new, m = jdp.apply_gradients(state, jnp.array([1.0, jnp.inf]))
+      >>> new.params.tolist(), bool(m["grads_finite"]), int(new.skipped_steps)
+      ([1.0, 1.0], False, 1)
+    """
+    if model_state is None:
+        model_state = state.model_state
+    updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if isinstance(state.loss_scale, NoOpLossScale):
+        new = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state, model_state=model_state
+        )
+        return new, {}
+    finite = all_finite(grads)
+    params, opt_state, model_state = jax.tree.map(
+        lambda new, old: lax.select(finite, new, old),
+        (params, opt_state, model_state),
+        (state.params, state.opt_state, state.model_state),
+    )
+    skipped_steps = state.skipped_steps + (~finite).astype(jnp.int32)
+    new = state.replace(
+        step=state.step + 1,
+        params=params,
+        opt_state=opt_state,
+        model_state=model_state,
+        loss_scale=state.loss_scale.adjust(finite),
+        skipped_steps=skipped_steps,
+    )
+    metrics = {
+        "grads_finite": finite,
+        "loss_scale": state.loss_scale.loss_scale,
+        "skipped_steps": skipped_steps,
+    }
+    return new, metrics
 
 
 def make_train_step(
@@ -103,7 +151,8 @@ def make_train_step(
     has_model_state: bool = False,
     has_rng: bool = False,
     accumulate_steps: int = 1,
-    compute_dtype: Any = None,
+    precision: Policy | Any = None,
+    log_grad_norm: bool = False,
 ) -> Step:
     """Builds a pure per-replica step ``(state, batch) -> (state, metrics)``.
 
@@ -125,29 +174,41 @@ def make_train_step(
     ====================  ==========================  =====================================
 
     ``extra`` holds ``model_state=state.model_state`` when ``has_model_state``
-    and ``rng=<this replica's key>`` when ``has_rng``. ``loss`` is a scalar,
-    the mean over this replica's examples (use :func:`jdp.masked_mean` when
-    the batch carries a ``"mask"``); ``aux`` is a dict of arrays that joins
-    the metrics.
+    and ``rng=<this replica's key>`` when ``has_rng``. ``aux`` is a dict of
+    scalar means that joins the metrics.
+
+    ``loss`` is either a scalar, the mean over this replica's examples
+    (replicas and micro-batches weighted equally), or a
+    :class:`jdp.WeightedLoss` ``(total, weight)``: the summed loss and what it
+    is summed over (real examples, tokens). With a ``WeightedLoss`` the update
+    is the gradient of ``sum(totals) / sum(weights)`` over the global batch,
+    exactly; padding, masks and variable-length sequences need nothing else
+    (:func:`jdp.weighted_mean` builds one from per-example or per-token values
+    and a mask), and aux metrics and model state are weighted alike.
 
     Args:
       loss_fn: the loss, as above.
       axis_name: the data axis the backend binds.
       grad_reduce: ``"mean"`` (equals single-device training on the global
-        batch) or ``"sum"`` (sum of per-replica gradients, the seeds' rule).
+        batch) or ``"sum"`` (sum of per-replica mean gradients, the seeds' rule).
       has_aux: the loss also returns a dict of metrics.
       has_model_state: the loss takes and returns mutable model state.
       has_rng: the loss takes a per-replica, per-step PRNG key.
       accumulate_steps: split each replica's batch into this many
         micro-batches, accumulate their gradients locally and all-reduce once.
-      compute_dtype: e.g. ``jnp.bfloat16``: floating params and batch leaves
-        are cast for the forward and backward pass; master params, optimizer
-        state, the all-reduce and the update stay in their own dtype.
+      precision: a :class:`jdp.Policy` (or a bare compute dtype such as
+        ``jnp.bfloat16``, which casts params only): floating params, and the
+        batch leaves the policy names, are cast for the forward and backward
+        pass; master params, optimizer state, the all-reduce and the update
+        stay in their own dtype.
+      log_grad_norm: add ``grad_norm``, the global norm of the reduced,
+        unscaled gradients, to the metrics.
 
     Returns:
-      The step. Its metrics hold ``loss`` (this replica's, float32) and the
-      aux entries; with a static or dynamic loss scale also ``grads_finite``,
-      ``loss_scale`` (the scale this step used) and ``skipped_steps``.
+      The step. Its metrics hold ``loss`` (this replica's weighted mean,
+      float32), ``weight`` (with a ``WeightedLoss``) and the aux entries; with
+      a static or dynamic loss scale also ``grads_finite``, ``loss_scale`` (the
+      scale this step used) and ``skipped_steps``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jdp
@@ -161,6 +222,41 @@ def make_train_step(
       >>> metrics["loss"].shape
       (8,)
     """
+    _check_options(loss_fn, grad_reduce, accumulate_steps)
+    policy = as_policy(precision)
+    forward = _make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
+
+    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
+        _check_state(state, has_model_state, has_rng)
+        size = batch_size(batch)
+        if size % accumulate_steps:
+            raise ValueError(
+                f"accumulate_steps={accumulate_steps} does not divide the per-replica "
+                f"batch of {size} examples. Use a global batch divisible by "
+                f"accumulate_steps x number of devices."
+            )
+        rng = replica_rng(state.rng, state.step, axis_name) if has_rng else None
+        local = _accumulate(forward, state, batch, rng, accumulate_steps)
+        grads = reduce_gradients(local.grads, axis_name, grad_reduce, local.weight)
+        grads = state.loss_scale.unscale(grads)
+        model_state = None
+        if has_model_state:
+            model_state = weighted_average(local.model_state, local.weight, axis_name)
+        state, info = apply_gradients(state, grads, model_state=model_state)
+        weighted = local.weight is not None
+        loss = safe_divide(local.total, local.weight) if weighted else local.total
+        metrics = {"loss": loss, **local.aux, **info}
+        if weighted:
+            metrics["weight"] = local.weight
+        if log_grad_norm:
+            metrics["grad_norm"] = optax.global_norm(grads)
+        return state, metrics
+
+    train_step.axis_name = axis_name
+    return train_step
+
+
+def _check_options(loss_fn, grad_reduce, accumulate_steps) -> None:
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {loss_fn!r}.")
     if grad_reduce not in GRAD_REDUCTIONS:
@@ -175,154 +271,111 @@ def make_train_step(
         )
     if accumulate_steps < 1:
         raise ValueError(f"make_train_step: accumulate_steps must be >= 1, got {accumulate_steps}.")
-    if compute_dtype is not None and not jnp.issubdtype(compute_dtype, jnp.floating):
-        raise TypeError(
-            f"make_train_step: compute_dtype must be a floating dtype such as "
-            f"jnp.bfloat16, got {compute_dtype!r}."
-        )
 
-    def local_loss_and_grads(state, params, model_state, batch, rng):
+
+def _check_state(state, has_model_state: bool, has_rng: bool) -> None:
+    """Trace-time checks of the state against the step's options."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"train_step: state must be a jdp.TrainState, got {type(state).__name__}. "
+            "Build one with jdp.TrainState.create(params=..., tx=...)."
+        )
+    if has_rng and state.rng is None:
+        raise ValueError(
+            "make_train_step(has_rng=True) needs a key in the state: "
+            "TrainState.create(..., rng=jax.random.key(0))."
+        )
+    if has_model_state and state.model_state is None:
+        raise ValueError(
+            "make_train_step(has_model_state=True) needs model state in the state: "
+            "TrainState.create(..., model_state=variables['batch_stats'])."
+        )
+    for name, leaf in leaves_with_paths(state.params, "state.params"):
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+            raise TypeError(
+                f"Parameter {name} has dtype {leaf.dtype}; every leaf of params must be "
+                "floating to be differentiated. Move integer values (counters, RNG "
+                "state) into model_state or out of the state."
+            )
+
+
+def _make_forward(loss_fn, policy: Policy, has_aux: bool, has_model_state: bool, has_rng: bool):
+    """``(state, params, model_state, batch, rng) -> Local`` for one (micro-)batch."""
+
+    def forward(state, params, model_state, batch, rng) -> Local:
         def scaled_loss(p):
             extra = {}
             if has_model_state:
                 extra["model_state"] = model_state
             if has_rng:
                 extra["rng"] = rng
-            out = loss_fn(
-                cast_floating(p, compute_dtype), cast_floating(batch, compute_dtype), **extra
-            )
+            out = loss_fn(policy.cast_params(p), policy.cast_batch_leaves(batch), **extra)
             loss, new_model_state, aux = _unpack(out, has_aux, has_model_state)
-            loss = jnp.asarray(loss).astype(jnp.float32)
-            return state.loss_scale.scale(loss), (loss, new_model_state, aux)
+            if isinstance(loss, WeightedLoss):
+                total, weight = loss.total.astype(jnp.float32), loss.weight.astype(jnp.float32)
+            else:
+                total, weight = loss.astype(jnp.float32), None
+            return state.loss_scale.scale(total), (total, weight, new_model_state, aux)
 
-        (_, (loss, new_model_state, aux)), grads = jax.value_and_grad(scaled_loss, has_aux=True)(
-            params
+        (_, (total, weight, new_model_state, aux)), grads = jax.value_and_grad(
+            scaled_loss, has_aux=True
+        )(params)
+        aux = {k: jnp.asarray(v).astype(jnp.float32) for k, v in aux.items()}
+        return Local(zero_where_weightless(grads, weight), total, weight, new_model_state, aux)
+
+    return forward
+
+
+def _accumulate(forward, state: TrainState, batch: PyTree, rng, steps: int) -> Local:
+    """This replica's contribution, summed over ``steps`` micro-batches.
+
+    A weighted loss sums totals, gradients and weighted aux over micro-batches
+    (a micro-batch of weight 0 leaves the model state alone); a plain loss
+    averages them.
+    """
+    params, model_state = state.params, state.model_state
+    if steps == 1:
+        return forward(state, params, model_state, batch, rng)
+    micro = jax.tree.map(lambda x: x.reshape((steps, x.shape[0] // steps) + x.shape[1:]), batch)
+
+    def body(carry, inputs):
+        grads, total, weight, model_state, aux = carry
+        index, micro_batch = inputs
+        key = None if rng is None else jax.random.fold_in(rng, index)
+        out = forward(state, params, model_state, micro_batch, key)
+        w = jnp.float32(1.0) if out.weight is None else out.weight
+        if out.weight is not None:
+            model_state = jax.tree.map(
+                lambda new, old: jnp.where(w > 0, new, old), out.model_state, model_state
+            )
+        else:
+            model_state = out.model_state
+        aux = {k: aux[k] + zero_where_weightless(v * w, out.weight) for k, v in out.aux.items()}
+        carry = (
+            jax.tree.map(jnp.add, grads, out.grads),
+            total + zero_where_weightless(out.total, out.weight),
+            weight + w,
+            model_state,
+            aux,
         )
-        return grads, loss, new_model_state, aux
+        return carry, None
 
-    def accumulate(state, batch, size, rng):
-        """This replica's gradient, loss, model state, aux and real-example count.
-
-        With a mask the gradient is count-weighted (a sum over micro-batches
-        of count x mean gradient) and the count is returned for the
-        all-reduce; without one it is the plain mean and the count is None.
-        """
-        params, model_state = state.params, state.model_state
-        if accumulate_steps == 1:
-            grads, loss, model_state, aux = local_loss_and_grads(
-                state, params, model_state, batch, rng
-            )
-            count = _count(batch)
-            return _weigh(grads, count), loss, model_state, aux, count
-
-        micro = jax.tree.map(
-            lambda x: x.reshape((accumulate_steps, size // accumulate_steps) + x.shape[1:]), batch
+    first_micro = jax.tree.map(lambda x: x[0], micro)
+    first = jax.eval_shape(lambda b: forward(state, params, model_state, b, rng), first_micro)
+    init = (
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.float32(0.0),
+        jnp.float32(0.0),
+        model_state,
+        {k: jnp.zeros((), jnp.float32) for k in first.aux},
+    )
+    (grads, total, weight, model_state, aux), _ = lax.scan(body, init, (jnp.arange(steps), micro))
+    aux = {k: safe_divide(v, weight) for k, v in aux.items()}
+    if first.weight is None:
+        return Local(
+            jax.tree.map(lambda g: g / steps, grads), total / steps, None, model_state, aux
         )
-
-        def body(carry, inputs):
-            grad_sum, model_state = carry
-            index, micro_batch = inputs
-            key = None if rng is None else jax.random.fold_in(rng, index)
-            grads, loss, model_state, aux = local_loss_and_grads(
-                state, params, model_state, micro_batch, key
-            )
-            count = _count(micro_batch)
-            grad_sum = jax.tree.map(jnp.add, grad_sum, _weigh(grads, count))
-            return (grad_sum, model_state), (loss, aux, count)
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, model_state), (losses, auxes, counts) = lax.scan(
-            body, (zeros, model_state), (jnp.arange(accumulate_steps), micro)
-        )
-        aux = jax.tree.map(lambda a: jnp.mean(a, axis=0), auxes)
-        if counts is None:
-            grads = jax.tree.map(lambda g: g / accumulate_steps, grads)
-            return grads, jnp.mean(losses), model_state, aux, None
-        count = jnp.sum(counts)
-        loss = jnp.sum(losses * counts) / jnp.maximum(count, 1.0)
-        return grads, loss, model_state, aux, count
-
-    def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"train_step: state must be a jdp.TrainState, got {type(state).__name__}. "
-                "Build one with jdp.TrainState.create(params=..., tx=...)."
-            )
-        size = batch_size(batch)
-        if size % accumulate_steps:
-            raise ValueError(
-                f"accumulate_steps={accumulate_steps} does not divide the per-replica "
-                f"batch of {size} examples. Use a global batch divisible by "
-                f"accumulate_steps x number of devices."
-            )
-        rng = None
-        if has_rng:
-            if state.rng is None:
-                raise ValueError(
-                    "make_train_step(has_rng=True) needs a key in the state: "
-                    "TrainState.create(..., rng=jax.random.key(0))."
-                )
-            rng = replica_rng(state.rng, state.step, axis_name)
-
-        grads, loss, model_state, aux, count = accumulate(state, batch, size, rng)
-        grads = state.loss_scale.unscale(reduce_gradients(grads, axis_name, grad_reduce, count))
-        if has_model_state:
-            model_state = average_model_state(model_state, axis_name)
-        updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-
-        metrics = {"loss": loss, **aux}
-        finite = None  # NoOpLossScale never skips
-        skipped_steps = state.skipped_steps
-        if not isinstance(state.loss_scale, NoOpLossScale):
-            finite = all_finite(grads)
-            params, opt_state, model_state = _select(
-                finite,
-                (params, opt_state, model_state),
-                (state.params, state.opt_state, state.model_state),
-            )
-            skipped_steps = state.skipped_steps + (~finite).astype(jnp.int32)
-            metrics.update(
-                grads_finite=finite,
-                loss_scale=state.loss_scale.loss_scale,
-                skipped_steps=skipped_steps,
-            )
-        new_state = state.replace(
-            step=state.step + 1,
-            params=params,
-            opt_state=opt_state,
-            model_state=model_state,
-            loss_scale=state.loss_scale.adjust(finite),
-            skipped_steps=skipped_steps,
-        )
-        return new_state, metrics
-
-    train_step.axis_name = axis_name
-    return train_step
-
-
-def _select(pred: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
-    return jax.tree.map(lambda a, b: lax.select(pred, a, b), on_true, on_false)
-
-
-def _count(batch: PyTree) -> jax.Array | None:
-    """The number of real examples when the batch carries a mask, else None."""
-    if not (isinstance(batch, Mapping) and MASK_KEY in batch):
-        return None
-    mask = batch[MASK_KEY]
-    if mask.ndim != 1:
-        raise ValueError(
-            f"batch[{MASK_KEY!r}] must be a 1-D per-example mask, got shape {mask.shape}."
-        )
-    return jnp.sum(mask.astype(jnp.float32))
-
-
-def _weigh(grads: PyTree, count: jax.Array | None) -> PyTree:
-    # A replica (or micro-batch) of padding only contributes exact zeros,
-    # even when its loss is NaN.
-    if count is None:
-        return grads
-    return jax.tree.map(lambda g: jnp.where(count > 0, g * count.astype(g.dtype), 0), grads)
+    return Local(grads, total, weight, model_state, aux)
 
 
 def _unpack(out: Any, has_aux: bool, has_model_state: bool):
@@ -347,14 +400,7 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
             f"loss_fn must return {expected} (has_aux={has_aux}, "
             f"has_model_state={has_model_state}); got {type(out).__name__}."
         ) from None
-    if not hasattr(loss, "shape") or jnp.ndim(loss) != 0:
-        raise ValueError(
-            f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}. "
-            "Reduce it over the batch, e.g. jnp.mean(per_example_loss) or "
-            "jdp.masked_mean(per_example_loss, batch['mask'])."
-        )
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}.")
+    _check_loss(loss)
     if not isinstance(aux, Mapping):
         raise TypeError(
             f"With has_aux=True, aux must be a dict of arrays (it joins the "
@@ -364,3 +410,30 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
     if clash:
         raise ValueError(f"aux keys {clash} are reserved for jdp's own metrics; rename them.")
     return loss, model_state, aux
+
+
+def _check_loss(loss: Any) -> None:
+    if isinstance(loss, WeightedLoss):
+        for field in ("total", "weight"):
+            value = getattr(loss, field)
+            if not isinstance(value, jax.Array) or value.ndim != 0:
+                raise ValueError(
+                    f"WeightedLoss.{field} must be a scalar array, got shape "
+                    f"{jnp.shape(value)}; sum over the batch, e.g. jdp.weighted_mean(values, mask)."
+                )
+        if not jnp.issubdtype(loss.total.dtype, jnp.floating):
+            raise TypeError(f"WeightedLoss.total must be floating, got dtype {loss.total.dtype}.")
+        return
+    if isinstance(loss, (int, float)):
+        raise TypeError(
+            f"loss_fn returned a Python {type(loss).__name__} ({loss!r}); the loss must be "
+            "a JAX scalar computed from params (a constant has no gradient)."
+        )
+    if not isinstance(loss, jax.Array) or loss.ndim != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}. "
+            "Reduce it over the batch, e.g. jnp.mean(per_example_loss), or return "
+            "jdp.weighted_mean(per_example_loss, mask)."
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}.")

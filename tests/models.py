@@ -22,9 +22,12 @@ def mlp_params(seed=0, din=6, hidden=16, dout=3):
     }
 
 
+def mlp_forward(params, batch):
+    return jnp.tanh(batch["x"] @ params["w1"] + params["b1"]) @ params["w2"]
+
+
 def mlp_loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+    return jnp.mean((mlp_forward(params, batch) - batch["y"]) ** 2)
 
 
 def regression_batch(size, seed=1, din=6, dout=3):

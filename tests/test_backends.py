@@ -11,8 +11,8 @@ from tests import models
 
 
 def _masked_loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    return jdp.masked_mean(jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1), batch["mask"])
+    per_example = jnp.mean((models.mlp_forward(params, batch) - batch["y"]) ** 2, axis=-1)
+    return jdp.weighted_mean(per_example, batch["mask"])
 
 
 def _padded(i):
@@ -45,7 +45,9 @@ CASES = {
     ),
     "mask": (lambda: jdp.make_train_step(_masked_loss), _padded, {}),
     "dynamic_loss_scale": (
-        lambda: jdp.make_train_step(models.mlp_loss, compute_dtype=jnp.float16),
+        lambda: jdp.make_train_step(
+            models.mlp_loss, precision=jdp.Policy(jnp.float16, cast_batch=("x", "y"))
+        ),
         _overflowing,
         {"loss_scale": jdp.DynamicLossScale(jnp.float32(2.0**10), period=2)},
     ),

@@ -67,7 +67,7 @@ def test_round_trip_restores_every_field_replicated_and_in_sync(tmp_path):
             params=jax.tree.map(jnp.zeros_like, jdp.unreplicate(state).params),
             tx=optax.adam(1e-2),
             loss_scale=jdp.DynamicLossScale(
-                jnp.float32(1.0), period=5, factor=3, min_loss_scale=8.0
+                jnp.float32(16.0), period=5, factor=3, min_loss_scale=8.0
             ),
             model_state=jax.tree.map(jnp.zeros_like, jdp.unreplicate(state).model_state),
             rng=jax.random.key(0),
@@ -210,7 +210,7 @@ def test_changed_loss_scale_hyperparameters_are_an_error(tmp_path):
     state = trained_state(steps=0)
     jdp.Checkpointer(tmp_path).save(0, state)
     other = jdp.unreplicate(state).replace(
-        loss_scale=jdp.DynamicLossScale(jnp.float32(1.0), period=6, factor=3, min_loss_scale=8.0)
+        loss_scale=jdp.DynamicLossScale(jnp.float32(16.0), period=6, factor=3, min_loss_scale=8.0)
     )
     with pytest.raises(
         ValueError, match=r"static settings .*'period': 5.* template has .*'period': 6"

@@ -129,42 +129,13 @@ def test_prefetch_rejects_bad_size():
         next(jdp.prefetch_to_device([], size=0))
 
 
-def masked_loss(params, batch):
-    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    per_example = jnp.mean((h @ params["w2"] - batch["y"]) ** 2, axis=-1)
-    return jdp.masked_mean(per_example, batch["mask"])
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("accumulate_steps", [1, 2])
-def test_padded_batches_equal_training_on_the_real_examples(backend, accumulate_steps):
-    tx = optax.adam(1e-2)
-    params = models.mlp_params()
-    # 13 real examples in a batch of 32: replicas 4..7 hold padding only.
-    real = [models.regression_batch(13, seed=30 + i) for i in range(5)]
-    padded = []
-    for batch in real:
-        b, mask = jdp.pad_batch(batch, 32)
-        padded.append({**b, "mask": mask})
-    expected, _ = models.train_single_device(models.mlp_loss, params, tx, real)
-    step = models.backend(
-        backend, jdp.make_train_step(masked_loss, accumulate_steps=accumulate_steps), 8
-    )
-    state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
-    for batch in padded:
-        state, _ = step(state, step.shard(batch))
-    models.assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5, atol=1e-7)
-
-
-def test_masked_mean():
-    values = jnp.array([[1.0, 3.0], [5.0, 7.0], [100.0, 100.0]])
-    assert float(jdp.masked_mean(values, jnp.array([True, True, False]))) == 4.0
-    assert float(jdp.masked_mean(values, jnp.zeros(3, bool))) == 0.0
-
-
 def _metric_fn(params, batch):
     pred = batch["x"] @ params["w"]
-    return {"error": jnp.abs(pred - batch["y"]), "positive": (pred > 0).astype(jnp.float32)}
+    return {
+        "error": jdp.weighted_mean(jnp.abs(pred - batch["y"]), batch["mask"]),
+        "positive": jdp.weighted_mean(pred > 0, batch["mask"]),
+        "all_rows": jnp.ones_like(pred),  # per-example values: padding counts
+    }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -175,9 +146,11 @@ def test_evaluation_counts_every_example_once(backend):
     eval_step = models.backend(backend, jdp.make_eval_step(_metric_fn), 8)
     state = eval_step.replicate(jdp.TrainState.create(params=params, tx=optax.sgd(0.1)))
     batches = jdp.BatchIterator(test, 64, shuffle=False, remainder="pad", repeat=False)
-    state, metrics = jdp.evaluate(eval_step, state, batches)
+    metrics = jdp.evaluate(eval_step, state, batches)
+    jdp.assert_replicas_in_sync(state)  # evaluation does not consume the state
     pred = test["x"].astype(np.float64) @ np.asarray(params["w"], np.float64)
-    assert metrics["count"] == 357
+    assert metrics["weights"] == {"error": 357.0, "positive": 357.0, "all_rows": 384.0}
+    assert metrics["all_rows"] == 1.0
     assert metrics["error"] == pytest.approx(np.mean(np.abs(pred - test["y"])), rel=1e-6)
     assert metrics["positive"] == pytest.approx(np.mean(pred > 0), rel=1e-6)
 
@@ -186,6 +159,6 @@ def test_eval_metrics_must_be_per_example():
     eval_step = jdp.pmap(jdp.make_eval_step(lambda p, b: {"mean": jnp.mean(b["x"])}))
     state = eval_step.replicate(jdp.TrainState.create(params={}, tx=optax.sgd(0.1)))
     with pytest.raises(
-        ValueError, match=r"'mean' must have one value per example, shape \(2,\), got \(\)"
+        ValueError, match=r"'mean' must have one value per example, shape \(2,\), or be a "
     ):
         eval_step(state, eval_step.shard({"x": np.zeros(16)}))

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -94,9 +93,9 @@ def test_unknown_grad_reduce():
         jdp.make_train_step(models.mlp_loss, grad_reduce="avg")
 
 
-def test_compute_dtype_must_be_floating():
-    with pytest.raises(TypeError, match="compute_dtype must be a floating dtype"):
-        jdp.make_train_step(models.mlp_loss, compute_dtype=jnp.int8)
+def test_precision_must_be_floating():
+    with pytest.raises(TypeError, match="precision must be a jdp.Policy or a floating dtype"):
+        jdp.make_train_step(models.mlp_loss, precision=jnp.int8)
 
 
 def test_rng_requested_without_a_key():
@@ -148,9 +147,3 @@ def test_train_state_rejects_a_seed_as_rng():
         TypeError, match=r"rng must be a PRNG key such as jax.random.key\(0\), got 0"
     ):
         jdp.TrainState.create(params={}, tx=optax.sgd(0.1), rng=0)
-
-
-def test_mask_must_be_one_dimensional():
-    data = {**batch(), "mask": np.ones((16, 2), bool)}
-    with pytest.raises(ValueError, match=r"1-D per-example mask, got shape \(2, 2\)"):
-        run(models.mlp_loss, data)

@@ -83,7 +83,8 @@ def test_static_and_noop_scales():
     s = jdp.StaticLossScale(2.0**10)
     x = {"a": jnp.float32(3.0), "h": jnp.float16(0.5)}
     scaled = s.scale(x)
-    assert float(scaled["a"]) == 3072.0 and scaled["h"].dtype == jnp.float16
+    # The scale multiplies in float32 (a float16 leaf promotes, as in jmp).
+    assert float(scaled["a"]) == 3072.0 and scaled["h"].dtype == jnp.float32
     assert float(s.unscale(scaled)["h"]) == 0.5
     assert jdp.NoOpLossScale().scale(x) is x
     assert float(jax.jit(lambda s: s)(s).loss_scale) == 1024.0
@@ -192,10 +193,11 @@ def test_dynamic_scaling_recovers_float16_gradients():
     params = {"w": jnp.zeros((8, 1), jnp.float32)}
 
     def train(compute_dtype, loss_scale):
+        precision = compute_dtype and jdp.Policy(compute_dtype, cast_batch=("x", "y"))
         state = jdp.TrainState.create(
             params=params, tx=optax.adam(0.05, eps=1e-12), loss_scale=loss_scale
         )
-        step = jdp.pmap(jdp.make_train_step(_tiny_loss, compute_dtype=compute_dtype))
+        step = jdp.pmap(jdp.make_train_step(_tiny_loss, precision=precision))
         state = step.replicate(state)
         for batch in data:
             state, metrics = step(state, step.shard(batch))
@@ -223,7 +225,8 @@ def test_bfloat16_compute_keeps_float32_master_state(backend):
     params = models.mlp_params()
     batch = models.regression_batch(32)
     state = jdp.TrainState.create(params=params, tx=optax.sgd(1.0))
-    step = models.backend(backend, jdp.make_train_step(loss_fn, compute_dtype=jnp.bfloat16), 8)
+    policy = jdp.Policy(jnp.bfloat16, cast_batch=("x", "y"))
+    step = models.backend(backend, jdp.make_train_step(loss_fn, precision=policy), 8)
     out, metrics = step(step.replicate(state), step.shard(batch))
     out = step.unreplicate(out)
     assert seen[0] == (jnp.bfloat16, jnp.bfloat16)
@@ -234,9 +237,9 @@ def test_bfloat16_compute_keeps_float32_master_state(backend):
     def shard_grad(i):
         shard = jax.tree.map(lambda x: x[i * 4 : (i + 1) * 4], batch)
         return jax.grad(
-            lambda p: models.mlp_loss(*jdp.cast_floating((p, shard), jnp.bfloat16)).astype(
-                jnp.float32
-            )
+            lambda p: models.mlp_loss(
+                *jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), (p, shard))
+            ).astype(jnp.float32)
         )(params)
 
     mean_grad = jax.tree.map(lambda *g: sum(g) / 8, *[shard_grad(i) for i in range(8)])

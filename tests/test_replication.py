@@ -43,9 +43,14 @@ def test_replicate_across_mesh_has_no_device_axis_and_unreplicates():
     np.testing.assert_array_equal(jdp.unreplicate(rep)["w"], tree()["w"])
 
 
-def test_unreplicate_of_unreplicated_scalar_is_an_error():
-    with pytest.raises(ValueError, match=r"leaf \['s'\] is a scalar: was the tree replicated"):
+def test_unreplicate_of_an_unreplicated_tree_is_an_error():
+    with pytest.raises(ValueError, match=r"leaf \['s'\] \(shape \(\)\) is a host float32"):
         jdp.unreplicate({"s": np.float32(1.0)})
+    # Never replicated, on one device: row 0 would silently be the first row.
+    with pytest.raises(ValueError, match=r"leaf \['w'\] \(shape \(8, 3\)\) lives on a single"):
+        jdp.unreplicate({"w": jnp.ones((8, 3))})
+    with pytest.raises(ValueError, match=r"assert_replicas_in_sync expects a replicated tree"):
+        jdp.assert_replicas_in_sync({"w": jnp.ones((8, 3))})
 
 
 def _desynced():

@@ -1,0 +1,123 @@
+"""Weighted losses: the one rule that makes every data-parallel step exact.
+
+Each replica (and each micro-batch) contributes the gradient of its *summed*
+loss and its weight; both are all-reduced and divided once. The update is
+then the gradient of ``sum(totals) / sum(weights)`` over the whole global
+batch: per-example losses, per-token losses and padding alike.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdp import pytree
+from jdp.types import PyTree
+
+
+@pytree.dataclass
+class WeightedLoss:
+    """A replica's summed loss and its weight.
+
+    Return it from a loss function (alone, or in place of the scalar loss in
+    any of the forms :func:`jdp.make_train_step` documents) to say "this
+    replica's loss summed over ``weight`` units" (real examples, tokens, any
+    non-negative weight). The step then follows the gradient of
+    ``sum(totals) / sum(weights)`` over every replica and micro-batch. A
+    replica of weight 0 contributes exactly nothing, even when ``total`` is
+    NaN.
+
+    Attributes:
+      total: the summed loss, a floating scalar.
+      weight: what ``total`` is summed over, a non-negative scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> loss = jdp.WeightedLoss(total=jnp.float32(6.0), weight=jnp.float32(4.0))
+      >>> float(loss.mean())
+      1.5
+    """
+
+    total: jax.Array
+    weight: jax.Array
+
+    def mean(self) -> jax.Array:
+        """``total / weight``, or 0 where the weight is 0."""
+        return safe_divide(self.total, self.weight)
+
+
+def weighted_mean(values: jax.typing.ArrayLike, mask: jax.typing.ArrayLike | None = None):
+    """Per-example or per-token values and a mask, as a :class:`WeightedLoss`.
+
+    The total is the sum of ``values`` where ``mask`` is nonzero (multiplied
+    by ``mask`` when it holds weights rather than booleans); the weight is the
+    sum of the mask over every value it covers. A mask of shape ``(B,)`` over
+    values of shape ``(B, T)`` weights every token of a real example; a
+    ``(B, T)`` mask weights tokens one by one. Masked-out values never reach
+    the total, so padding that computes NaN is harmless.
+
+    Args:
+      values: the loss of every example (or token), shape ``(B, ...)``.
+      mask: booleans or non-negative weights whose shape is a prefix of
+        ``values.shape``; None counts every value once.
+
+    Returns:
+      ``WeightedLoss(total, weight)`` in float32.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> loss = jdp.weighted_mean(jnp.array([1.0, 3.0, jnp.nan]), jnp.array([True, True, False]))
+      >>> float(loss.total), float(loss.weight), float(loss.mean())
+      (4.0, 2.0, 2.0)
+    """
+    values = jnp.asarray(values).astype(jnp.float32)
+    if mask is None:
+        return WeightedLoss(jnp.sum(values), jnp.float32(values.size))
+    mask = jnp.asarray(mask)
+    if values.shape[: mask.ndim] != mask.shape:
+        raise ValueError(
+            f"weighted_mean: the mask's shape {mask.shape} must be a prefix of the values' "
+            f"shape {values.shape} (one weight per example, or per token)."
+        )
+    weights = jnp.broadcast_to(
+        mask.astype(jnp.float32).reshape(mask.shape + (1,) * (values.ndim - mask.ndim)),
+        values.shape,
+    )
+    total = jnp.sum(jnp.where(weights > 0, values * weights, 0.0))
+    return WeightedLoss(total, jnp.sum(weights))
+
+
+def safe_divide(total: jax.Array, weight: jax.Array) -> jax.Array:
+    """``total / weight`` where ``weight > 0``, else exactly 0 (never NaN)."""
+    positive = weight > 0
+    return jnp.where(positive, total / jnp.where(positive, weight, 1), 0)
+
+
+def zero_where_weightless(tree: PyTree, weight: jax.Array | None) -> PyTree:
+    """Exact zeros in place of ``tree`` when ``weight`` is 0 (even over NaN)."""
+    if weight is None:
+        return tree
+    return jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
+
+
+def weighted_average(tree: PyTree, weight: jax.Array | None, axis_name: str) -> PyTree:
+    """The across-replica average of ``tree``'s floating leaves, weighted by ``weight``.
+
+    ``weight=None`` means equal weights (``lax.pmean``). Replicas of weight 0
+    have no say; where every weight is 0 each replica keeps its own values.
+    Integer leaves pass through.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    index = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    own = [leaves[i] for i in index]
+    if weight is None:
+        averaged = lax.pmean(own, axis_name)
+    else:
+        weighted = [zero_where_weightless(x * weight.astype(x.dtype), weight) for x in own]
+        sums, total = lax.psum((weighted, weight), axis_name)
+        averaged = [
+            jnp.where(total > 0, safe_divide(s, total.astype(s.dtype)), x)
+            for s, x in zip(sums, own, strict=True)
+        ]
+    for i, x in zip(index, averaged, strict=True):
+        leaves[i] = x
+    return treedef.unflatten(leaves)
