@@ -9,7 +9,10 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	# compat mode puts the checkout on sys.path, so a script run from the folder
+	# that holds a clone named jdp/ imports the package, not the clone folder
+	# as a namespace package.
+	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
 lint: $(VENV)/.installed

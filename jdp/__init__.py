@@ -28,6 +28,7 @@ from jdp.sharding import pad_batch, shard, unshard
 from jdp.state import TrainState
 from jdp.step import apply_gradients, make_train_step, reduce_gradients, replica_rng
 from jdp.types import PyTree
+from jdp.version import __version__
 from jdp.weighting import WeightedLoss, weighted_mean
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "StaticLossScale",
     "TrainState",
     "WeightedLoss",
+    "__version__",
     "all_finite",
     "apply_gradients",
     "assert_replicas_in_sync",

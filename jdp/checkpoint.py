@@ -83,14 +83,15 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=options,
-            item_handlers={
-                "state": ocp.PyTreeCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
-            },
-        )
+        with _quiet_orbax():  # it logs unreadable step metadata; restore reports it once
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                item_handlers={
+                    "state": ocp.PyTreeCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(),
+                },
+            )
         _OPEN.add(self)
 
     def save(self, step: int, state: PyTree, *, extra: dict[str, Any] | None = None) -> None:
@@ -174,40 +175,43 @@ class Checkpointer:
         expected = _leaves(_one_copy(template))
         failures = []
         for candidate in _agreed(candidates):
-            restored, error = self._read(candidate, expected)
             # Every process restores the same step or none does: a fallback
-            # taken on one process only would let the processes diverge.
-            if not _all_processes_ok(error is None):
-                failures.append((candidate, error or RuntimeError("failed on another process")))
-                continue
-            meta = restored["meta"]
-            _check_static(meta["static"], _static_fields(template), candidate)
-            if failures:
-                warnings.warn(
-                    f"Skipped damaged checkpoint(s) {_describe(failures)} in {self.directory}; "
-                    f"restored step {candidate}.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            state = _rebuild(template, expected, _flatten_nested(restored["state"]))
-            return (place or _placement_like(template))(state), meta["extra"]
-        raise CheckpointError(
-            f"No intact checkpoint in {self.directory}: {_describe(failures)}. "
-            "Delete the damaged step directories or start from scratch."
-        )
+            # taken on one process only would let the processes diverge. The
+            # decision is agreed after each read, before Orbax's own barriers.
+            saved, error = self._read_metadata(candidate)
+            if _all_processes_ok(error is None):
+                _check_layout(saved, expected, candidate)
+                restored, error = self._read_data(candidate, expected)
+                if _all_processes_ok(error is None):
+                    break
+            failures.append((candidate, error or RuntimeError("failed on another process")))
+        else:
+            raise CheckpointError(
+                f"No intact checkpoint in {self.directory}: {_describe(failures)}. "
+                "Delete the damaged step directories or start from scratch."
+            )
+        meta = restored["meta"]
+        _check_static(meta["static"], _static_fields(template), candidate)
+        if failures:
+            warnings.warn(
+                f"Skipped damaged checkpoint(s) {_describe(failures)} in {self.directory}; "
+                f"restored step {candidate}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        state = _rebuild(template, expected, _flatten_nested(restored["state"]))
+        return (place or _placement_like(template))(state), meta["extra"]
 
-    def _read(self, step: int, expected) -> tuple[Any, Exception | None]:
-        """``(restored, None)``, or ``(None, error)`` for a damaged checkpoint.
-
-        A checkpoint that reads but does not match the template raises: that
-        is a usage error, not damage to fall back from.
-        """
+    def _read_metadata(self, step: int) -> tuple[Any, Exception | None]:
+        """``(leaf shapes and dtypes, None)``, or ``(None, error)`` when damaged."""
         try:
             with _quiet_orbax():
-                saved = _metadata_tree(self._manager.item_metadata(step)["state"])
+                return _metadata_tree(self._manager.item_metadata(step)["state"]), None
         except READ_ERRORS as e:
             return None, e
-        _check_layout(saved, expected, step)
+
+    def _read_data(self, step: int, expected) -> tuple[Any, Exception | None]:
+        """``(restored items, None)``, or ``(None, error)`` when damaged."""
         try:
             with _quiet_orbax():
                 return self._manager.restore(step, args=_restore_args(expected)), None

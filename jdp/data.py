@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp.distributed import check_initialized
 from jdp.sharding import batch_size as leading_size
 from jdp.sharding import shard
 from jdp.types import PyTree
@@ -73,6 +74,8 @@ class BatchIterator:
             raise ValueError(
                 f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
             )
+        if process_index is None or process_count is None:
+            check_initialized()  # else every process would read the same slice
         process_index = jax.process_index() if process_index is None else process_index
         process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= process_index < process_count:
