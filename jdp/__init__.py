@@ -27,6 +27,7 @@ from jdp.replication import (
 from jdp.sharding import pad_batch, shard, unshard
 from jdp.state import TrainState
 from jdp.step import apply_gradients, make_train_step, reduce_gradients, replica_rng
+from jdp.tensorboard import TensorBoardLogger
 from jdp.types import PyTree
 from jdp.version import __version__
 from jdp.weighting import WeightedLoss, weighted_mean
@@ -44,6 +45,7 @@ __all__ = [
     "PyTree",
     "ShardMapStep",
     "StaticLossScale",
+    "TensorBoardLogger",
     "TrainState",
     "WeightedLoss",
     "__version__",

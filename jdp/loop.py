@@ -7,7 +7,7 @@ iterable of host batches, prefetching, evaluation and a Checkpointer.
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -59,7 +59,9 @@ def fit(
     Args:
       train_step: ``jdp.pmap(make_train_step(...))`` or ``jdp.shard_map(...)``.
       state: the initial state, placed by ``train_step.replicate``; also the
-        template for restoring.
+        template for restoring. A :class:`jdp.TrainState` (or a subclass), or
+        any pytree a custom step accepts that has a ``step`` counter
+        (attribute or dict entry).
       train_data: any iterable of host batches (this process's part of each
         global batch): a :class:`jdp.BatchIterator`, a generator, a grain
         loader. If it has ``get_state()``/``set_state()``, its position is
@@ -73,8 +75,11 @@ def fit(
       on_epoch_end: called as ``on_epoch_end(epoch, state)`` after the step
         that completes an epoch (for iterators with ``is_new_epoch`` and
         ``epoch``, like Chainer's ``auto_new_epoch``); may return a new state.
-      callbacks: each called with every logged row (a dict: ``step``, global
-        metrics, per-replica lists); e.g. a TensorBoard writer.
+      callbacks: each called with every logged row: a dict with ``split``
+        (``"train"`` every ``log_every`` steps, ``"eval"`` after each
+        evaluation), ``step``, the global metrics and the per-replica lists;
+        e.g. :class:`jdp.TensorBoardLogger`. ``log_every=1`` calls them every
+        step (and reads metrics back every step).
       log_every: steps between metric read-backs (each waits for the device).
       progress: show a rich progress bar with the loss and throughput.
 
@@ -114,10 +119,13 @@ def fit(
                 row = {"step": step, **meter.read(), **_global_metrics(metrics)}
                 history.train.append(row)
                 for callback in callbacks:
-                    callback(row)
+                    callback({"split": "train", **row})
                 bar.update(task, completed=step, status=_status(row))
             if eval_step is not None and _due(step, num_steps, eval_every):
-                history.eval.append({"step": step, **evaluate(eval_step, state, eval_data())})
+                row = {"step": step, **evaluate(eval_step, state, eval_data())}
+                history.eval.append(row)
+                for callback in callbacks:
+                    callback({"split": "eval", **row})
             if checkpointer is not None and _due(step, num_steps, checkpoint_every):
                 extra = {"data": position, "history": dataclasses.asdict(history)}
                 checkpointer.save(step, state, extra=extra)
@@ -216,7 +224,15 @@ def _with_position(data: Iterable[PyTree]):
 
 
 def _step_of(state: PyTree) -> int:
-    return int(np.asarray(jax.device_get(unreplicate(state.step))))
+    counter = getattr(state, "step", None)
+    if counter is None and isinstance(state, Mapping):
+        counter = state.get("step")
+    if counter is None:
+        raise TypeError(
+            f"fit counts steps with the state's step counter, but the {type(state).__name__} "
+            "state has no .step attribute or 'step' entry; add one that the step increments."
+        )
+    return int(np.asarray(jax.device_get(unreplicate(counter))))
 
 
 class _Throughput:

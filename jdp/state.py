@@ -27,7 +27,25 @@ class TrainState:
       rng: a PRNG key from which per-replica keys are derived, or None.
       skipped_steps: steps skipped for non-finite gradients so far (int32).
       tx: the optax transformation (static, not a leaf).
+
+    Subclasses with extra fields are frozen dataclasses and pytrees
+    automatically (like Flax's ``struct.PyTreeNode``), so they replicate,
+    run under both backends and checkpoint like the base class; mark
+    hyperparameters with ``jdp.pytree.static_field()``:
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jdp
+      >>> from typing import Any
+      >>> class EMAState(jdp.TrainState):
+      ...     ema: Any = None
+      >>> s = EMAState.create(params=jnp.ones(2), tx=optax.sgd(0.1), ema=jnp.zeros(2))
+      >>> [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]][-1]
+      '.ema'
     """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        pytree.dataclass(cls)
 
     step: jax.Array
     params: PyTree
@@ -47,6 +65,7 @@ class TrainState:
         loss_scale: LossScale | None = None,
         model_state: PyTree = None,
         rng: jax.Array | None = None,
+        **fields: Any,
     ) -> "TrainState":
         """A fresh state at step 0 with ``tx.init(params)``.
 
@@ -57,6 +76,7 @@ class TrainState:
           model_state: initial mutable model collections, e.g. Flax
             ``variables["batch_stats"]``.
           rng: a PRNG key (``jax.random.key(0)``) for dropout and friends.
+          **fields: the extra fields of a subclass.
 
         Example:
           >>> import jax.numpy as jnp, optax, jdp
@@ -90,6 +110,7 @@ class TrainState:
             rng=rng,
             skipped_steps=jnp.zeros((), jnp.int32),
             tx=tx,
+            **fields,
         )
 
     def replace(self, **changes: Any) -> "TrainState":

@@ -19,7 +19,15 @@ from jdp.state import TrainState
 from jdp.types import PyTree
 from jdp.weighting import WeightedLoss, safe_divide, weighted_average, zero_where_weightless
 
-RESERVED_METRICS = ("loss", "weight", "grads_finite", "loss_scale", "skipped_steps", "grad_norm")
+RESERVED_METRICS = (
+    "loss",
+    "weight",
+    "grads_finite",
+    "loss_scale",
+    "skipped_steps",
+    "grad_norm",
+    "learning_rate",
+)
 GRAD_REDUCTIONS = ("mean", "sum")
 
 Step = Callable[[TrainState, PyTree], tuple[TrainState, dict[str, jax.Array]]]
@@ -153,6 +161,7 @@ def make_train_step(
     accumulate_steps: int = 1,
     precision: Policy | Any = None,
     log_grad_norm: bool = False,
+    log_learning_rate: bool | Callable[[jax.Array], jax.Array] = False,
 ) -> Step:
     """Builds a pure per-replica step ``(state, batch) -> (state, metrics)``.
 
@@ -203,6 +212,10 @@ def make_train_step(
         stay in their own dtype.
       log_grad_norm: add ``grad_norm``, the global norm of the reduced,
         unscaled gradients, to the metrics.
+      log_learning_rate: add ``learning_rate``, the rate this step used:
+        ``True`` reads it from ``optax.inject_hyperparams`` state; an optax
+        schedule (the one given to the optimizer) is evaluated at the
+        optimizer's own count, which skipped steps do not advance.
 
     Returns:
       The step. Its metrics hold ``loss`` (this replica's weighted mean,
@@ -242,6 +255,7 @@ def make_train_step(
         model_state = None
         if has_model_state:
             model_state = weighted_average(local.model_state, local.weight, axis_name)
+        before = state.opt_state
         state, info = apply_gradients(state, grads, model_state=model_state)
         weighted = local.weight is not None
         loss = safe_divide(local.total, local.weight) if weighted else local.total
@@ -249,7 +263,9 @@ def make_train_step(
         if weighted:
             metrics["weight"] = local.weight
         if log_grad_norm:
-            metrics["grad_norm"] = optax.global_norm(grads)
+            metrics["grad_norm"] = optax.tree.norm(grads)
+        if log_learning_rate is not False:
+            metrics["learning_rate"] = _learning_rate(log_learning_rate, before, state.opt_state)
         return state, metrics
 
     train_step.axis_name = axis_name
@@ -376,6 +392,39 @@ def _accumulate(forward, state: TrainState, batch: PyTree, rng, steps: int) -> L
             jax.tree.map(lambda g: g / steps, grads), total / steps, None, model_state, aux
         )
     return Local(grads, total, weight, model_state, aux)
+
+
+def _learning_rate(source, old_opt_state: PyTree, new_opt_state: PyTree) -> jax.Array:
+    """The learning rate of this step, from inject_hyperparams or a schedule."""
+
+    def find(tree, wanted):
+        nodes = jax.tree.leaves(tree, is_leaf=wanted)
+        return next((node for node in nodes if wanted(node)), None)
+
+    if source is True:
+        injected = find(
+            new_opt_state,
+            lambda x: (
+                isinstance(getattr(x, "hyperparams", None), dict)
+                and "learning_rate" in x.hyperparams
+            ),
+        )
+        if injected is None:
+            raise ValueError(
+                "log_learning_rate=True reads the rate from optax.inject_hyperparams state, "
+                "and the optimizer has none: wrap it, optax.inject_hyperparams(optax.adam)"
+                "(learning_rate=...), or pass the schedule: log_learning_rate=schedule."
+            )
+        return jnp.asarray(injected.hyperparams["learning_rate"], jnp.float32)
+    if not callable(source):
+        raise TypeError(f"log_learning_rate must be True or an optax schedule, got {source!r}.")
+    counter = find(old_opt_state, lambda x: isinstance(x, optax.ScaleByScheduleState))
+    if counter is None:
+        raise ValueError(
+            "log_learning_rate=schedule needs an optimizer built with that schedule "
+            "(its state holds the schedule's count), e.g. optax.adam(schedule)."
+        )
+    return jnp.asarray(source(counter.count), jnp.float32)
 
 
 def _unpack(out: Any, has_aux: bool, has_model_state: bool):
