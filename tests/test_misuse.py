@@ -393,7 +393,7 @@ def test_every_import_is_declared():
     declared = " ".join(
         tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     )
-    names = {"orbax": "orbax-checkpoint"}
+    names = {"orbax": "orbax-checkpoint", "tensorboardX": "tensorboardx"}
     missing = set()
     for path in (ROOT / "jdp").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
