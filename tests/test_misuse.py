@@ -390,9 +390,9 @@ def test_a_damaged_checkpoint_costs_one_warning(tmp_path):
 
 
 def test_every_import_is_declared():
-    declared = " ".join(
-        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    )
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = [dep for deps in project["optional-dependencies"].values() for dep in deps]
+    declared = " ".join(project["dependencies"] + extras).lower()
     names = {"orbax": "orbax-checkpoint", "tensorboardX": "tensorboardx"}
     missing = set()
     for path in (ROOT / "jdp").glob("*.py"):
