@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jdp import exact
 from jdp.loss_scale import NoOpLossScale, all_finite
 from jdp.precision import Policy, as_policy
 from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths
@@ -162,6 +163,7 @@ def make_train_step(
     precision: Policy | Any = None,
     log_grad_norm: bool = False,
     log_learning_rate: bool | Callable[[jax.Array], jax.Array] = False,
+    virtual_replicas: int | None = None,
 ) -> Step:
     """Builds a pure per-replica step ``(state, batch) -> (state, metrics)``.
 
@@ -216,6 +218,11 @@ def make_train_step(
         ``True`` reads it from ``optax.inject_hyperparams`` state; an optax
         schedule (the one given to the optimizer) is evaluated at the
         optimizer's own count, which skipped steps do not advance.
+      virtual_replicas: exact mode (see ``docs/exact.md``): split the global
+        batch into this many micro-batches (a power of two that the device
+        count divides) and reduce them in one fixed order, so the result is
+        bitwise the same on any number of devices and processes. Metrics are
+        then the global values, identical on every device.
 
     Returns:
       The step. Its metrics hold ``loss`` (this replica's weighted mean,
@@ -236,6 +243,8 @@ def make_train_step(
       (8,)
     """
     _check_options(loss_fn, grad_reduce, accumulate_steps)
+    if virtual_replicas is not None:
+        exact.check_virtual_replicas(virtual_replicas, accumulate_steps, grad_reduce)
     policy = as_policy(precision)
     forward = _make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
 
@@ -248,20 +257,24 @@ def make_train_step(
                 f"batch of {size} examples. Use a global batch divisible by "
                 f"accumulate_steps x number of devices."
             )
-        rng = replica_rng(state.rng, state.step, axis_name) if has_rng else None
-        local = _accumulate(forward, state, batch, rng, accumulate_steps)
-        grads = reduce_gradients(local.grads, axis_name, grad_reduce, local.weight)
+        if virtual_replicas is None:
+            rng = replica_rng(state.rng, state.step, axis_name) if has_rng else None
+            grads, loss, weight, model_state, aux = _replica_contribution(
+                forward, state, batch, rng, accumulate_steps, axis_name, grad_reduce
+            )
+        else:  # exact mode: global values, identical on every device
+            rng = jax.random.fold_in(state.rng, state.step) if has_rng else None
+            grads, loss, weight, model_state, aux = exact.run(
+                forward, state, batch, rng, virtual_replicas, axis_name
+            )
         grads = state.loss_scale.unscale(grads)
-        model_state = None
-        if has_model_state:
-            model_state = weighted_average(local.model_state, local.weight, axis_name)
         before = state.opt_state
-        state, info = apply_gradients(state, grads, model_state=model_state)
-        weighted = local.weight is not None
-        loss = safe_divide(local.total, local.weight) if weighted else local.total
-        metrics = {"loss": loss, **local.aux, **info}
-        if weighted:
-            metrics["weight"] = local.weight
+        state, info = apply_gradients(
+            state, grads, model_state=model_state if has_model_state else None
+        )
+        metrics = {"loss": loss, **aux, **info}
+        if weight is not None:
+            metrics["weight"] = weight
         if log_grad_norm:
             metrics["grad_norm"] = optax.tree.norm(grads)
         if log_learning_rate is not False:
@@ -270,6 +283,16 @@ def make_train_step(
 
     train_step.axis_name = axis_name
     return train_step
+
+
+def _replica_contribution(forward, state, batch, rng, accumulate_steps, axis_name, grad_reduce):
+    """``(reduced grads, this replica's loss, weight, averaged model state, aux)``."""
+    local = _accumulate(forward, state, batch, rng, accumulate_steps)
+    grads = reduce_gradients(local.grads, axis_name, grad_reduce, local.weight)
+    model_state = weighted_average(local.model_state, local.weight, axis_name)
+    weighted = local.weight is not None
+    loss = safe_divide(local.total, local.weight) if weighted else local.total
+    return grads, loss, local.weight, model_state, local.aux
 
 
 def _check_options(loss_fn, grad_reduce, accumulate_steps) -> None:

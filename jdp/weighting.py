@@ -109,6 +109,8 @@ def weighted_average(tree: PyTree, weight: jax.Array | None, axis_name: str) -> 
     leaves, treedef = jax.tree.flatten(tree)
     index = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
     own = [leaves[i] for i in index]
+    if not own:
+        return tree
     if weight is None:
         averaged = lax.pmean(own, axis_name)
     else:

@@ -1,0 +1,169 @@
+"""Exact mode: bitwise the same result on any number of devices and processes."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from jdp.exact import check_exact
+from tests import models
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BACKENDS = ["pmap", "shard_map"]
+G = 8
+DATA = models.regression_batch(512, seed=3)
+
+
+def dropout_loss(params, batch, rng):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    h = jnp.where(jax.random.bernoulli(rng, 0.8, h.shape), h / 0.8, 0.0)
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+
+def exact_step(**kwargs):
+    return jdp.make_train_step(dropout_loss, has_rng=True, virtual_replicas=G, **kwargs)
+
+
+def initial_state(**kwargs):
+    return jdp.TrainState.create(
+        params=models.mlp_params(), tx=optax.adam(1e-2), rng=jax.random.key(0), **kwargs
+    )
+
+
+def batches(count=20, size=64):
+    it = jdp.BatchIterator(DATA, size, seed=0, num_devices=1)
+    return [next(it) for _ in range(count)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mlp_with_dropout_is_bitwise_equal_on_1_2_4_8_devices(backend):
+    results = check_exact(exact_step, initial_state(), batches(), backend=backend)
+    # and it trained: the loss went down
+    assert float(results[8][1]["loss"]) < 0.8 * float(
+        check_exact(exact_step, initial_state(), batches(1), device_counts=(8,))[8][1]["loss"]
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flax_model_with_batch_norm_and_dropout_is_bitwise_equal(backend):
+    variables = models.classifier_variables()
+    state = jdp.TrainState.create(
+        params=variables["params"],
+        tx=optax.adam(1e-2),
+        model_state=variables["batch_stats"],
+        rng=jax.random.key(4),
+    )
+    data = [models.classification_batch(64, seed=200 + i) for i in range(12)]
+
+    def make():
+        return jdp.make_train_step(
+            models.classifier_train_loss, has_model_state=True, has_rng=True, virtual_replicas=G
+        )
+
+    results = check_exact(make, state, data, backend=backend)
+    assert not np.allclose(
+        results[1][0].model_state["BatchNorm_0"]["mean"],
+        variables["batch_stats"]["BatchNorm_0"]["mean"],
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weighted_loss_and_loss_scale_skip_are_bitwise_equal(backend):
+    def token_loss(params, batch):
+        err = jnp.mean((models.mlp_forward(params, batch) - batch["y"]) ** 2, axis=-1)
+        return jdp.weighted_mean(err, batch["real"])
+
+    data = []
+    for i in range(10):
+        padded, real = jdp.pad_batch(models.regression_batch(40, seed=300 + i), 64)
+        data.append({**padded, "real": real})
+    data[3]["x"][2, 1] = np.inf  # an overflow: the step is skipped, everywhere alike
+    state = jdp.TrainState.create(
+        params=models.mlp_params(),
+        tx=optax.adam(1e-2),
+        loss_scale=jdp.DynamicLossScale(jnp.float32(2.0**10), period=3),
+    )
+    results = check_exact(
+        lambda: jdp.make_train_step(token_loss, virtual_replicas=G), state, data, backend=backend
+    )
+    assert int(results[1][0].skipped_steps) == 1
+    assert float(results[4][1]["weight"]) == 40.0
+
+
+def test_exact_equals_the_ordinary_step_within_float_rounding():
+    data = batches(10)
+    ordinary = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    exact = jdp.pmap(jdp.make_train_step(models.mlp_loss, virtual_replicas=G))
+    finals = []
+    for step in (ordinary, exact):
+        state = step.replicate(initial_state())
+        for batch in data:
+            state, _ = step(state, step.shard(batch))
+        finals.append(step.unreplicate(state).params)
+    models.assert_trees_close(finals[1], finals[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_at_8_devices_resumes_at_2_bitwise(backend, tmp_path):
+    data = batches(12)
+    straight = check_exact(exact_step, initial_state(), data, device_counts=(8,), backend=backend)
+    first = check_exact(exact_step, initial_state(), data[:6], device_counts=(8,), backend=backend)
+    with jdp.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(6, first[8][0])
+        restored, _ = ckpt.restore(initial_state())
+    resumed = check_exact(
+        exact_step, jdp.unreplicate(restored), data[6:], device_counts=(2,), backend=backend
+    )
+    for a, b in zip(
+        jax.tree.leaves(straight[8][0].params), jax.tree.leaves(resumed[2][0].params), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_processes_of_two_devices_equal_one_of_four_bitwise(backend, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = {}
+    for processes, devices in [(2, 2), (1, 4)]:
+        path = tmp_path / f"{processes}x{devices}.npz"
+        cmd = [
+            sys.executable,
+            "-m",
+            "jdp.launch",
+            "--processes",
+            str(processes),
+            "--devices-per-process",
+            str(devices),
+            str(ROOT / "tests" / "multiprocess_exact.py"),
+            str(path),
+            backend,
+        ]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[processes] = np.load(path)
+    for name in out[1].files:
+        np.testing.assert_array_equal(out[1][name], out[2][name], err_msg=name)
+
+
+def test_exact_mode_errors():
+    with pytest.raises(ValueError, match="virtual_replicas must be a power of two .* got 6"):
+        jdp.make_train_step(models.mlp_loss, virtual_replicas=6)
+    with pytest.raises(ValueError, match="leave accumulate_steps at 1"):
+        jdp.make_train_step(models.mlp_loss, virtual_replicas=8, accumulate_steps=2)
+    with pytest.raises(ValueError, match="grad_reduce='sum' is not supported"):
+        jdp.make_train_step(models.mlp_loss, virtual_replicas=8, grad_reduce="sum")
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, virtual_replicas=4))
+    state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
+    with pytest.raises(ValueError, match="virtual_replicas=4 is not divisible by the 8 devices"):
+        step(state, step.shard(models.regression_batch(32)))
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, virtual_replicas=16))
+    with pytest.raises(ValueError, match="global batch of 24 examples does not split into"):
+        step(state, step.shard(models.regression_batch(24)))
