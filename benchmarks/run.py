@@ -7,6 +7,8 @@ same MLP and global batch:
   pmap   jdp.pmap(jdp.make_train_step(loss))                 float32
   smap   jdp.shard_map(jdp.make_train_step(loss))            float32
   pmap16 / smap16: the same with precision=jdp.Policy(jnp.bfloat16, cast_batch=("x",))
+  pmapX / smapX: exact mode, make_train_step(loss, virtual_replicas=8): bitwise the
+         same result on every device count (docs/exact.md); ratio exact/ordinary
 
 Rounds are interleaved (hand, pmap, smap, ... then again) so machine noise
 hits every variant alike; each figure is the median over rounds. Ratios are
@@ -97,9 +99,9 @@ class HandWritten:
 
 
 class Jdp:
-    def __init__(self, backend, tx, devices, compute_dtype=None):
+    def __init__(self, backend, tx, devices, compute_dtype=None, virtual_replicas=None):
         policy = jdp.Policy(compute_dtype, cast_batch=("x",) if compute_dtype else ())
-        step = jdp.make_train_step(loss_fn, precision=policy)
+        step = jdp.make_train_step(loss_fn, precision=policy, virtual_replicas=virtual_replicas)
         if backend == "pmap":
             self.step = jdp.pmap(step, devices=devices)
         else:
@@ -141,6 +143,8 @@ def bench_n(n, rounds, steps):
         "smap": Jdp("shard_map", tx, devices),
         "pmap16": Jdp("pmap", tx, devices, jnp.bfloat16),
         "smap16": Jdp("shard_map", tx, devices, jnp.bfloat16),
+        "pmapX": Jdp("pmap", tx, devices, virtual_replicas=8),
+        "smapX": Jdp("shard_map", tx, devices, virtual_replicas=8),
     }
     params, host_batch = init_params(), data()
     states, batches, compile_s, memory = {}, {}, {}, {}
@@ -170,6 +174,10 @@ def bench_n(n, rounds, steps):
         "spread": {name: (min(r), max(r)) for name, r in rates.items()},
         "ratio_vs_hand": {name: medians[name] / medians["hand"] for name in variants},
         "smap_over_pmap": medians["smap"] / medians["pmap"],
+        "exact_over_ordinary": {
+            "pmap": medians["pmapX"] / medians["pmap"],
+            "smap": medians["smapX"] / medians["smap"],
+        },
         "compile_s": compile_s,
         "peak_mib_per_device": memory,
     }
@@ -204,6 +212,17 @@ def main():
             f" {c['hand']:>9.2f},{c['pmap']:>5.2f},{c['smap']:>5.2f}"
             f"       {m['hand']:>6.1f},{m['pmap']:>6.1f},{m['smap']:>6.1f},{m['pmap16']:>6.1f}",
             flush=True,
+        )
+    print("\nexact mode (virtual_replicas=8) against the ordinary step of the same backend")
+    print(
+        f"{'n':>2} {'pmapX/s':>8} {'smapX/s':>8} {'pmapX/pmap':>10} {'smapX/smap':>10}"
+        f" {'peak MiB (pmapX,smapX)':>24}"
+    )
+    for r in results:
+        s, e, m = r["steps_per_s"], r["exact_over_ordinary"], r["peak_mib_per_device"]
+        print(
+            f"{r['n']:>2} {s['pmapX']:>8.1f} {s['smapX']:>8.1f} {e['pmap']:>10.3f} {e['smap']:>10.3f}"
+            f"       {m['pmapX']:>7.1f},{m['smapX']:>7.1f}"
         )
     if args.json:
         with open(args.json, "w") as f:

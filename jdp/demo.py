@@ -11,9 +11,11 @@ bfloat16 compute (no loss scaling: bfloat16 has float32's range);
 ``--precision float16`` adds dynamic loss scaling, which float16 needs. It is
 evaluated exactly on every test image (357 is not a multiple of 8: the last
 batch is padded, and the metric leaves the padding out). The same model is
-then trained on one device from the same seed and data, and the figure shows
-what jdp promises on this run: 8 devices train like 1, every replica's loss,
-the loss scale and skipped steps, and the test accuracy.
+then trained on one device from the same seed and data; ``--exact`` trains both
+in exact mode (``virtual_replicas=8``, docs/exact.md), and they end bit for bit
+identical. The figure shows what jdp promises on this run: 8 devices train
+like 1, every replica's loss, the loss scale and skipped steps, and the test
+accuracy.
 
 The pieces (data, model, losses, plot) are importable for the notebook
 ``notebooks/04_digits.ipynb``. Importing this module starts no JAX backend.
@@ -138,6 +140,10 @@ def _plot_one_vs_n(ax, history, reference, result):
         ref_steps, ref_loss = _rows(reference, "loss")
         ax.plot(ref_steps, ref_loss, "k--", lw=1, label="1 device")
         text = f"max |params 1 dev - {result['devices']} dev|\n= {result['max_param_diff']:.2e}"
+        if result["bitwise_equal"]:
+            text += "\nbitwise identical (exact mode)"
+        elif not result["exact_mode"]:
+            text += "\n(float rounding, grown by training;\n --exact: bitwise identical)"
     else:
         text = "1-device run skipped (--no-reference)"
     ax.text(0.35, 0.75, text, transform=ax.transAxes, fontsize=9)
@@ -145,10 +151,18 @@ def _plot_one_vs_n(ax, history, reference, result):
     ax.legend(loc="lower left")
 
 
+def _replica_losses(row) -> list[float]:
+    """Each replica's own loss; in exact mode, each virtual replica's."""
+    if "virtual_replica_loss_per_replica" in row:
+        return row["virtual_replica_loss_per_replica"][0]
+    return row["loss_per_replica"]
+
+
 def _plot_replica_band(ax, history, n):
     rows = [r for r in history.train if "loss_per_replica" in r]
     steps = [r["step"] for r in rows]
-    per_replica = np.array([r["loss_per_replica"] for r in rows])
+    per_replica = np.array([_replica_losses(r) for r in rows])
+    n = per_replica.shape[1]
     ax.fill_between(steps, per_replica.min(1), per_replica.max(1), alpha=0.3, label="replica range")
     ax.plot(steps, [r["loss"] for r in rows], "k", lw=1.2, label="global (step's weighting)")
     ax.set(xlabel="step", ylabel="train loss", yscale="log", title=f"{n} replicas, own data")
@@ -206,6 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     add("--out", type=pathlib.Path, default=pathlib.Path("out/demo"), help="output folder")
     add("--resume", action="store_true", help="continue from the checkpoint in --out")
     add("--no-reference", action="store_true", help="skip the 1-device reference run")
+    add("--exact", action="store_true", help="exact mode: bitwise equal on 1 and N devices")
+    add("--virtual-replicas", type=_positive, default=8, help="exact mode's G (default 8)")
     add("--seed", type=int, default=0, help="seed for the split, the init and the shuffle")
     add("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -222,7 +238,10 @@ def train(args, train_data, test_data, devices, checkpoints=None):
         wrap = lambda step: backend(step, devices=devices)  # noqa: E731
     else:
         wrap = lambda step: backend(step, mesh=jax.sharding.Mesh(np.asarray(devices), ("batch",)))  # noqa: E731
-    train_step = wrap(jdp.make_train_step(loss_fn, has_aux=True, precision=policy))
+    exact = args.virtual_replicas if args.exact else None
+    train_step = wrap(
+        jdp.make_train_step(loss_fn, has_aux=True, precision=policy, virtual_replicas=exact)
+    )
     eval_step = wrap(jdp.make_eval_step(metric_fn))
     params = CNN().init(jax.random.key(args.seed), train_data["image"][:1])["params"]
     tx = optax.adam(optax.cosine_decay_schedule(args.learning_rate, args.steps))
@@ -272,6 +291,11 @@ def main(argv=None) -> dict:
     n = len(devices)
     if args.batch_size % n:
         raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of the {n} devices.")
+    if args.exact and (args.virtual_replicas % n or args.batch_size % args.virtual_replicas):
+        raise SystemExit(
+            f"--exact needs --virtual-replicas ({args.virtual_replicas}) to be a multiple of "
+            f"the {n} devices and to divide --batch-size ({args.batch_size})."
+        )
     train_data, test_data = load_splits(args.seed)
     checkpoint_dir = args.out / "checkpoints"
     if checkpoint_dir.exists() and not args.resume:
@@ -283,6 +307,7 @@ def main(argv=None) -> dict:
         f"{n} {jax.default_backend()} devices ({args.backend}), {args.precision} compute"
         f"{' with dynamic loss scaling' if args.precision == 'float16' else ''}, "
         f"global batch {args.batch_size} ({args.batch_size // n} per device), {args.steps} steps"
+        + (f", exact mode ({args.virtual_replicas} virtual replicas)" if args.exact else "")
     )
     with jdp.Checkpointer(checkpoint_dir, max_to_keep=2) as ckpt:
         state, history, final, seconds = train(args, train_data, test_data, devices, ckpt)
@@ -299,14 +324,21 @@ def main(argv=None) -> dict:
         "precision": args.precision,
         "backend": args.backend,
         "examples_per_s": float(np.median([r["examples_per_s"] for r in history.train])),
-        "per_replica_loss": history.train[-1]["loss_per_replica"],
+        "per_replica_loss": _replica_losses(history.train[-1]),
         "resumed_at": history.resumed_at,
         "max_param_diff": None,
+        "bitwise_equal": None,
+        "exact_mode": args.exact,
     }
     if not args.no_reference:
         print(f"the same run on 1 device, for comparison ({args.steps} steps)")
         one, reference, one_final, _ = train(args, train_data, test_data, devices[:1])
         result["max_param_diff"] = max_difference(state.params, one.params)
+        result["bitwise_equal"] = all(
+            np.array_equal(a, b)
+            for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(one), strict=True)
+            if not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+        )
         result["reference_test_accuracy"] = one_final["accuracy"]
     fig = plot_promises(history, reference, result)
     plot = args.out / "promises.png"
@@ -324,9 +356,10 @@ def _report(result: dict, seconds: float) -> None:
         f"{result['examples_per_s']:,.0f} examples/s on {n} devices"
     )
     if result["max_param_diff"] is not None:
+        same = "bitwise identical state" if result["bitwise_equal"] else "states differ"
         print(
-            f"1 device vs {n}: largest parameter difference {result['max_param_diff']:.2e} "
-            f"(test accuracy {result['reference_test_accuracy']:.4f} vs "
+            f"1 device vs {n}: largest parameter difference {result['max_param_diff']:.2e}, "
+            f"{same} (test accuracy {result['reference_test_accuracy']:.4f} vs "
             f"{result['test_accuracy']:.4f})"
         )
     losses = result["per_replica_loss"]

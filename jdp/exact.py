@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.flatten_util import ravel_pytree
 
 from jdp.types import PyTree
 from jdp.weighting import safe_divide
@@ -33,9 +34,10 @@ class Reduced(NamedTuple):
 
     grads: PyTree  # the gradient of the global objective (still loss-scaled)
     loss: jax.Array
-    weight: jax.Array | None  # the total weight, for a WeightedLoss
+    weight: jax.Array | None  # this device's share of the weight, for a WeightedLoss
     model_state: PyTree
     aux: dict[str, jax.Array]
+    virtual_replica_loss: jax.Array  # (G,): each virtual replica's own (weighted) mean loss
 
 
 def check_virtual_replicas(virtual_replicas: int, accumulate_steps: int, grad_reduce: str) -> None:
@@ -71,8 +73,8 @@ def tree_sum(stacked: jax.Array) -> jax.Array:
     return stacked[0]
 
 
-def exact_sum(tree: PyTree, axis_name: str, n: int) -> PyTree:
-    """The sum of every device's ``tree`` (already its block's subtree sum).
+def exact_sum(x: jax.Array, axis_name: str, n: int) -> jax.Array:
+    """The sum of every device's ``x`` (already its block's subtree sum).
 
     Each device receives its 1/n slice of every device's partial sum
     (``all_to_all``), finishes the top levels of the tree on that slice, and
@@ -80,21 +82,12 @@ def exact_sum(tree: PyTree, axis_name: str, n: int) -> PyTree:
     collective does arithmetic.
     """
 
-    def one(x):
-        flat = x.reshape(-1)
-        chunk = -(-flat.size // n)
-        flat = jnp.pad(flat, (0, chunk * n - flat.size))
-        parts = lax.all_to_all(flat.reshape(n, chunk), axis_name, 0, 0, tiled=False)
-        mine = tree_sum(parts)
-        whole = lax.all_gather(mine, axis_name, tiled=True)
-        return whole[: x.size].reshape(x.shape)
-
-    return jax.tree.map(one, tree)
-
-
-def scalars_sum(x: jax.Array, axis_name: str, n: int) -> jax.Array:
-    """The exact sum of one scalar (or small array) per device."""
-    return tree_sum(lax.all_gather(x, axis_name))
+    flat = x.reshape(-1)
+    chunk = -(-flat.size // n)
+    flat = jnp.pad(flat, (0, chunk * n - flat.size))
+    parts = lax.all_to_all(flat.reshape(n, chunk), axis_name, 0, 0, tiled=False)
+    whole = lax.all_gather(tree_sum(parts), axis_name, tiled=True)
+    return whole[: x.size].reshape(x.shape)
 
 
 def run(forward, state, batch: PyTree, rng, virtual_replicas: int, axis_name: str) -> Reduced:
@@ -141,26 +134,39 @@ def run(forward, state, batch: PyTree, rng, virtual_replicas: int, axis_name: st
     )
     weighted = outs.weight is not None
     weights = outs.weight if weighted else jnp.ones((per_device,), jnp.float32)
+    zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
+    totals = jax.vmap(zero)(outs.total, weights)
+    own_losses = safe_divide(totals, weights) if weighted else totals
+    # Two collectives in all, whatever the model: one small all_gather of
+    # every scalar the devices share, and one all_to_all + all_gather of the
+    # gradients and floating model state, packed into a single vector.
+    scalars = {
+        "weight": tree_sum(weights),
+        "total": tree_sum(totals),
+        "aux": {
+            k: tree_sum(jax.vmap(zero)(v * _expand(weights, v), weights))
+            for k, v in outs.aux.items()
+        },
+    }
+    packed, unpack = ravel_pytree(scalars)
+    gathered = lax.all_gather(jnp.concatenate([packed, own_losses]), axis_name)
+    shared = unpack(tree_sum(gathered[:, : packed.size]))
+    every = gathered[:, packed.size :].reshape(-1)  # (G,), in virtual-replica order
     # A plain loss divides by the constant G on every device count: a total
     # computed through collectives would be a constant only where n = 1 (XLA
     # drops one-device collectives), and folding it there changes the bits.
-    total_weight = (
-        scalars_sum(tree_sum(weights), axis_name, n) if weighted else jnp.float32(virtual_replicas)
-    )
-    grads = exact_sum(jax.tree.map(tree_sum, outs.grads), axis_name, n)
-    grads = jax.tree.map(lambda g: _divide(g, total_weight, weighted), grads)
-    zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
-    totals = jax.vmap(zero)(outs.total, weights)
-    loss = safe_divide(scalars_sum(tree_sum(totals), axis_name, n), total_weight)
-    aux = {
-        name: safe_divide(
-            scalars_sum(tree_sum(jax.vmap(zero)(v * _expand(weights, v), weights)), axis_name, n),
-            total_weight,
-        )
-        for name, v in outs.aux.items()
-    }
-    model_state = _average_model_state(outs.model_state, weights, total_weight, axis_name, n)
-    return Reduced(grads, loss, total_weight if weighted else None, model_state, aux)
+    total_weight = shared["weight"] if weighted else jnp.float32(virtual_replicas)
+    floating, rebuild = _floating_model_state(outs.model_state, weights)
+    vector, unravel = ravel_pytree({"grads": jax.tree.map(tree_sum, outs.grads), "state": floating})
+    summed = unravel(exact_sum(vector, axis_name, n))
+    grads = jax.tree.map(lambda g: _divide(g, total_weight, weighted), summed["grads"])
+    model_state = rebuild(summed["state"], total_weight)
+    loss = safe_divide(shared["total"], total_weight)
+    aux = {name: safe_divide(v, total_weight) for name, v in shared["aux"].items()}
+    # ``weight`` stays per device (this device's share), as in the ordinary
+    # step, so summing it over devices gives the global weight.
+    mine = scalars["weight"] if weighted else None
+    return Reduced(grads, loss, mine, model_state, aux, every)
 
 
 def _each_virtual_replica(fn, micro: PyTree, count: int, opaque_zero: jax.Array):
@@ -204,17 +210,32 @@ def _divide(x: jax.Array, total: jax.Array, data_dependent: bool) -> jax.Array:
     return x * inverse.astype(x.dtype)
 
 
-def _average_model_state(stacked: PyTree, weights, total_weight, axis_name, n) -> PyTree:
-    """Floating leaves: the weight-averaged value over virtual replicas; others: VR 0's."""
+def _floating_model_state(stacked: PyTree, weights: jax.Array):
+    """``(weighted sums of the floating leaves, rebuild(summed, total))``.
 
-    def one(x):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            return x[0]
-        weighted = jnp.where(_expand(weights, x) > 0, x * _expand(weights, x).astype(x.dtype), 0)
-        summed = exact_sum(tree_sum(weighted), axis_name, n)
-        return jnp.where(total_weight > 0, _divide(summed, total_weight, True), x[0])
+    Floating leaves (e.g. batch-norm statistics) become the weight-averaged
+    value over every virtual replica; where the total weight is 0, virtual
+    replica 0's value. Other leaves (counters, RNG state) are virtual replica
+    0's.
+    """
+    leaves, treedef = jax.tree.flatten(stacked)
+    floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
 
-    return jax.tree.map(one, stacked)
+    def weighted_sum(x):
+        w = _expand(weights, x)
+        return tree_sum(jnp.where(w > 0, x * w.astype(x.dtype), jnp.zeros_like(x)))
+
+    sums = [weighted_sum(x) for x, f in zip(leaves, floating, strict=True) if f]
+
+    def rebuild(summed, total):
+        it = iter(summed)
+        out = [
+            jnp.where(total > 0, _divide(next(it), total, True), x[0]) if f else x[0]
+            for x, f in zip(leaves, floating, strict=True)
+        ]
+        return treedef.unflatten(out)
+
+    return sums, rebuild
 
 
 def check_exact(
@@ -241,7 +262,9 @@ def check_exact(
       devices: default ``jax.local_devices()``.
 
     Returns:
-      ``{n: (final state, last metrics)}`` as host values.
+      ``{n: (final state, last metrics)}`` as host values (device 0's
+      metrics, which in exact mode are the global values; ``weight``, each
+      device's own share, is left out).
 
     Raises:
       AssertionError: naming the first leaf (of the state or the metrics)
@@ -263,7 +286,9 @@ def check_exact(
         metrics = {}
         for batch in batches:
             placed, metrics = step(placed, step.shard(batch))
-        host = jax.device_get((step.unreplicate(placed), jax.tree.map(lambda m: m[0], metrics)))
+        # Device 0's metrics; "weight" is each device's own share, so it is left out.
+        first = {name: m[0] for name, m in metrics.items() if name != "weight"}
+        host = jax.device_get((step.unreplicate(placed), first))
         results[n] = host
     reference = device_counts[0]
     for n in device_counts[1:]:

@@ -28,6 +28,7 @@ RESERVED_METRICS = (
     "skipped_steps",
     "grad_norm",
     "learning_rate",
+    "virtual_replica_loss",
 )
 GRAD_REDUCTIONS = ("mean", "sum")
 
@@ -222,7 +223,8 @@ def make_train_step(
         batch into this many micro-batches (a power of two that the device
         count divides) and reduce them in one fixed order, so the result is
         bitwise the same on any number of devices and processes. Metrics are
-        then the global values, identical on every device.
+        then the global values, identical on every device, plus
+        ``virtual_replica_loss``: each virtual replica's own loss, shape (G,).
 
     Returns:
       The step. Its metrics hold ``loss`` (this replica's weighted mean,
@@ -264,9 +266,9 @@ def make_train_step(
             )
         else:  # exact mode: global values, identical on every device
             rng = jax.random.fold_in(state.rng, state.step) if has_rng else None
-            grads, loss, weight, model_state, aux = exact.run(
-                forward, state, batch, rng, virtual_replicas, axis_name
-            )
+            reduced = exact.run(forward, state, batch, rng, virtual_replicas, axis_name)
+            grads, loss, weight, model_state, aux = reduced[:5]
+            aux = {**aux, "virtual_replica_loss": reduced.virtual_replica_loss}
         grads = state.loss_scale.unscale(grads)
         before = state.opt_state
         state, info = apply_gradients(
