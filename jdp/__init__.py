@@ -5,6 +5,7 @@ from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.data import BatchIterator, prefetch_to_device
 from jdp.devices import force_cpu_devices
 from jdp.evaluation import evaluate, make_eval_step
+from jdp.exact import check_exact
 from jdp.loop import History, fit
 from jdp.loss_scale import (
     DynamicLossScale,
@@ -53,6 +54,7 @@ __all__ = [
     "apply_gradients",
     "assert_replicas_in_sync",
     "broadcast",
+    "check_exact",
     "distributed",
     "evaluate",
     "fit",

@@ -139,14 +139,14 @@ def _plot_one_vs_n(ax, history, reference, result):
     if reference is not None:
         ref_steps, ref_loss = _rows(reference, "loss")
         ax.plot(ref_steps, ref_loss, "k--", lw=1, label="1 device")
-        text = f"max |params 1 dev - {result['devices']} dev|\n= {result['max_param_diff']:.2e}"
+        text = f"max |Δparams| {result['max_param_diff']:.1e}"
         if result["bitwise_equal"]:
-            text += "\nbitwise identical (exact mode)"
+            text += "\nbitwise identical\n(exact mode)"
         elif not result["exact_mode"]:
-            text += "\n(float rounding, grown by training;\n --exact: bitwise identical)"
+            text += "\nrounding, grown by\ntraining; --exact:\nbitwise identical"
     else:
         text = "1-device run skipped (--no-reference)"
-    ax.text(0.35, 0.75, text, transform=ax.transAxes, fontsize=9)
+    ax.text(0.45, 0.68, text, transform=ax.transAxes, fontsize=9)
     ax.set(xlabel="step", ylabel="train loss", yscale="log", title="8 devices train like 1")
     ax.legend(loc="lower left")
 

@@ -123,3 +123,40 @@ def assert_trees_close(actual, expected, rtol=1e-5, atol=0.0):
         np.testing.assert_allclose(
             np.asarray(a), np.asarray(e), rtol=rtol, atol=atol, err_msg=jax.tree_util.keystr(path)
         )
+
+
+def train_parallel(step_fn, state, data, backend_name, n):
+    """Trains ``state`` on ``data`` with backend ``backend_name`` on n devices; checks sync."""
+    import jdp
+
+    step = backend(backend_name, step_fn, n)
+    state = step.replicate(state)
+    metrics = None
+    for batch in data:
+        state, metrics = step(state, step.shard(batch))
+    jdp.assert_replicas_in_sync(state)
+    return step.unreplicate(state), metrics
+
+
+def run_killable(cmd, env, kill_after=None, timeout=120):
+    """Runs ``cmd``, reading its output lines; SIGKILLs it after the line ``step {kill_after}``.
+
+    Returns ``(returncode, lines, stderr)``.
+    """
+    import signal
+    import subprocess
+    import tempfile
+
+    lines = []
+    with tempfile.TemporaryFile("w+") as stderr:
+        with subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True
+        ) as proc:
+            for line in proc.stdout:
+                lines.append(line.strip())
+                if kill_after is not None and line.strip() == f"step {kill_after}":
+                    proc.send_signal(signal.SIGKILL)
+                    break
+            proc.wait(timeout=timeout)
+        stderr.seek(0)
+        return proc.returncode, lines, stderr.read()

@@ -4,7 +4,6 @@ import json
 import os
 import pathlib
 import signal
-import subprocess
 import sys
 
 import jax
@@ -266,22 +265,11 @@ def _run(directory, steps, resume=False, kill_after=None):
     cmd = [sys.executable, str(ROOT / "tests" / "resume_run.py"), str(directory), str(steps)]
     if resume:
         cmd.append("--resume")
-    errors = directory.parent / f"{directory.name}-stderr.txt"
-    lines = []
-    with (
-        errors.open("w") as stderr,
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True) as proc,
-    ):
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if kill_after is not None and line.strip() == f"step {kill_after}":
-                proc.send_signal(signal.SIGKILL)
-                break
-        proc.wait(timeout=120)
+    code, lines, errors = models.run_killable(cmd, env, kill_after)
     if kill_after is None:
-        assert proc.returncode == 0, errors.read_text()[-3000:]
+        assert code == 0, errors[-3000:]
     else:
-        assert proc.returncode == -signal.SIGKILL
+        assert code == -signal.SIGKILL
     return lines
 
 

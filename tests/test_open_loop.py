@@ -4,7 +4,6 @@ import os
 import pathlib
 import signal
 import struct
-import subprocess
 import sys
 from typing import Any
 
@@ -113,18 +112,8 @@ def _kill_resume(tmp_path, kind):
             "23",
             kind,
         ]
-        lines = []
-        with subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        ) as proc:
-            for line in proc.stdout:
-                lines.append(line.strip())
-                if kill_after is not None and line.strip() == f"step {kill_after}":
-                    proc.send_signal(signal.SIGKILL)
-                    break
-            proc.wait(timeout=120)
-            errors = proc.stderr.read()
-        assert proc.returncode == (0 if kill_after is None else -signal.SIGKILL), errors[-3000:]
+        code, lines, errors = models.run_killable(cmd, env, kill_after)
+        assert code == (0 if kill_after is None else -signal.SIGKILL), errors[-3000:]
         return lines
 
     run(tmp_path / "straight")

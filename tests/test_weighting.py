@@ -58,12 +58,7 @@ def global_token_mean(params, batch):
 
 
 def run(step_fn, state, data, backend, n):
-    step = models.backend(backend, step_fn, n)
-    state = step.replicate(state)
-    for batch in data:
-        state, metrics = step(state, step.shard(batch))
-    jdp.assert_replicas_in_sync(state)
-    return step.unreplicate(state), metrics
+    return models.train_parallel(step_fn, state, data, backend, n)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
