@@ -35,8 +35,9 @@ from jdp.distributed import (
 
 GRACE_SECONDS = 5.0
 DEFAULT_TIMEOUT = 120
-# Gloo prints one line per rank and connection; shown with --verbose.
-NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to")
+# Gloo prints one line per rank and connection (two ranks' lines can
+# interleave mid-line); shown with --verbose.
+NOISE = re.compile(r"connected to \d+ peer ranks|^\[Gloo\] Rank $")
 PR_SET_PDEATHSIG = 1
 
 
@@ -57,7 +58,7 @@ def _die_with_parent() -> None:
 def _pump(stream, prefix: str, sink, tail: collections.deque, verbose: bool) -> None:
     for line in iter(stream.readline, ""):
         tail.append(line)
-        if verbose or not NOISE.match(line):
+        if verbose or not NOISE.search(line):
             sink.write(f"{prefix}{line}")
             sink.flush()
     stream.close()

@@ -112,10 +112,11 @@ def test_batch_iterator_over_no_examples_ends():
 
 def test_processes_that_disagree_on_steps_end_the_job_naming_the_stalled_one(tmp_path):
     start = time.monotonic()
-    run = launch("multiprocess_stall.py", tmp_path / "pid", extra=("--timeout", "8"), timeout=150)
+    # 20 s: heartbeats on a loaded 2-core machine can lag by several seconds.
+    run = launch("multiprocess_stall.py", tmp_path / "pid", extra=("--timeout", "20"), timeout=200)
     assert run.returncode != 0
-    assert "[launch] process(es) [0] stopped making progress" in run.stderr
-    assert time.monotonic() - start < 90
+    assert "[launch] process(es) [0] stopped making progress" in run.stderr, run.stderr[-3000:]
+    assert time.monotonic() - start < 150
     assert "[Gloo] Rank" not in run.stdout + run.stderr  # quiet unless --verbose
 
 
