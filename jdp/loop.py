@@ -103,13 +103,7 @@ def fit(
     with _progress_bar(progress) as bar:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         while step < num_steps:
-            try:
-                batch, (position, examples, epoch) = next(batches)
-            except StopIteration:
-                raise ValueError(
-                    f"fit: train_data ran out after step {step} of {num_steps}; pass a "
-                    "repeating iterator (BatchIterator(..., repeat=True)) or fewer steps."
-                ) from None
+            batch, (position, examples, epoch) = _next(batches, step, num_steps)
             state, metrics = train_step(state, batch)
             step += 1
             meter.add(examples, metrics.get("weight"))
@@ -117,21 +111,33 @@ def fit(
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
                 row = {"step": step, **meter.read(), **_global_metrics(metrics)}
-                history.train.append(row)
-                for callback in callbacks:
-                    callback({"split": "train", **row})
+                _record(history.train, row, "train", callbacks)
                 bar.update(task, completed=step, status=_status(row))
             if eval_step is not None and _due(step, num_steps, eval_every):
                 row = {"step": step, **evaluate(eval_step, state, eval_data())}
-                history.eval.append(row)
-                for callback in callbacks:
-                    callback({"split": "eval", **row})
+                _record(history.eval, row, "eval", callbacks)
             if checkpointer is not None and _due(step, num_steps, checkpoint_every):
                 extra = {"data": position, "history": dataclasses.asdict(history)}
                 checkpointer.save(step, state, extra=extra)
     if checkpointer is not None:
         checkpointer.wait_until_finished()
     return state, history
+
+
+def _next(batches, step: int, num_steps: int):
+    try:
+        return next(batches)
+    except StopIteration:
+        raise ValueError(
+            f"fit: train_data ran out after step {step} of {num_steps}; pass a "
+            "repeating iterator (BatchIterator(..., repeat=True)) or fewer steps."
+        ) from None
+
+
+def _record(rows: list, row: dict[str, Any], split: str, callbacks) -> None:
+    rows.append(row)
+    for callback in callbacks:
+        callback({"split": split, **row})
 
 
 def _due(step: int, num_steps: int, every: int | None) -> bool:

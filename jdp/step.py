@@ -250,6 +250,35 @@ def make_train_step(
     policy = as_policy(precision)
     forward = _make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
 
+    train_step = _build_step(
+        forward,
+        axis_name=axis_name,
+        grad_reduce=grad_reduce,
+        has_model_state=has_model_state,
+        has_rng=has_rng,
+        accumulate_steps=accumulate_steps,
+        log_grad_norm=log_grad_norm,
+        log_learning_rate=log_learning_rate,
+        virtual_replicas=virtual_replicas,
+    )
+    train_step.axis_name = axis_name
+    return train_step
+
+
+def _build_step(
+    forward,
+    *,
+    axis_name,
+    grad_reduce,
+    has_model_state,
+    has_rng,
+    accumulate_steps,
+    log_grad_norm,
+    log_learning_rate,
+    virtual_replicas,
+) -> Step:
+    """The per-replica step around ``forward``: contribution, reduction, update, metrics."""
+
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
         _check_state(state, has_model_state, has_rng)
         size = batch_size(batch)
@@ -283,7 +312,6 @@ def make_train_step(
             metrics["learning_rate"] = _learning_rate(log_learning_rate, before, state.opt_state)
         return state, metrics
 
-    train_step.axis_name = axis_name
     return train_step
 
 
