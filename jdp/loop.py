@@ -20,8 +20,8 @@ from jdp.evaluation import evaluate
 from jdp.replication import gather_replicas, unreplicate
 from jdp.types import PyTree
 
-# Metrics that are the same on every replica, or counts: never weighted.
-UNWEIGHTED = ("weight", "grads_finite", "loss_scale", "skipped_steps", "grad_norm")
+# Metrics that are the same on every replica: never weighted ("weight" is summed).
+UNWEIGHTED = ("grads_finite", "loss_scale", "skipped_steps", "grad_norm", "learning_rate")
 
 
 @dataclasses.dataclass
