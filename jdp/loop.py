@@ -99,26 +99,30 @@ def fit(
         _with_position(train_data), shard_fn=lambda item: (train_step.shard(item[0]), item[1])
     )
     position = _position(train_data)
-    meter = _Throughput()
+    rows = _Rows(history, callbacks)
     with _progress_bar(progress) as bar:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
+        rows.on_train_row = lambda row: bar.update(task, completed=row["step"], status=_status(row))
         while step < num_steps:
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
             state, metrics = train_step(state, batch)
             step += 1
-            meter.add(examples, metrics.get("weight"))
+            # The last logged step's metrics are read now, while this step runs:
+            # reading them at once would drain the device queue every log_every steps.
+            rows.flush()
+            rows.count(examples, metrics.get("weight"))
             if epoch is not None and on_epoch_end is not None:
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
-                row = {"step": step, **meter.read(), **_global_metrics(metrics)}
-                _record(history.train, row, "train", callbacks)
-                bar.update(task, completed=step, status=_status(row))
+                rows.hold(step, metrics)
             if eval_step is not None and _due(step, num_steps, eval_every):
-                row = {"step": step, **evaluate(eval_step, state, eval_data())}
-                _record(history.eval, row, "eval", callbacks)
+                rows.flush()
+                rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
             if checkpointer is not None and _due(step, num_steps, checkpoint_every):
+                rows.flush()
                 extra = {"data": position, "history": dataclasses.asdict(history)}
                 checkpointer.save(step, state, extra=extra)
+        rows.flush()
     if checkpointer is not None:
         checkpointer.wait_until_finished()
     return state, history
@@ -132,12 +136,6 @@ def _next(batches, step: int, num_steps: int):
             f"fit: train_data ran out after step {step} of {num_steps}; pass a "
             "repeating iterator (BatchIterator(..., repeat=True)) or fewer steps."
         ) from None
-
-
-def _record(rows: list, row: dict[str, Any], split: str, callbacks) -> None:
-    rows.append(row)
-    for callback in callbacks:
-        callback({"split": split, **row})
 
 
 def _due(step: int, num_steps: int, every: int | None) -> bool:
@@ -241,26 +239,48 @@ def _step_of(state: PyTree) -> int:
     return int(np.asarray(jax.device_get(unreplicate(counter))))
 
 
-class _Throughput:
-    """Examples/s, or with a weighted loss weight/s (real examples, tokens)."""
+class _Rows:
+    """History rows and callbacks; a train row's metrics are read one step late.
 
-    def __init__(self):
+    ``hold`` keeps the logged step's device metrics and throughput counts
+    without waiting for the device; ``flush`` (after the next step has been
+    dispatched, or before an evaluation, a checkpoint or the end) reads them
+    back and records the row.
+    """
+
+    def __init__(self, history: History, callbacks: Sequence[Callable[[dict[str, Any]], None]]):
+        self.history, self.callbacks = history, callbacks
+        self.on_train_row: Callable[[dict[str, Any]], None] = lambda row: None
+        self._held = None
         self._tick, self._examples, self._weights = time.perf_counter(), 0, []
 
-    def add(self, examples: int, weight) -> None:
+    def count(self, examples: int, weight) -> None:
         self._examples += examples
         if weight is not None:
             self._weights.append(weight)  # device arrays: summed at read time, no wait
 
-    def read(self) -> dict[str, float]:
+    def hold(self, step: int, metrics: dict) -> None:
         elapsed = max(time.perf_counter() - self._tick, 1e-9)
-        if self._weights:
-            total = float(np.sum(gather_replicas(self._weights)))
-            out = {"weight_per_s": total / elapsed}
+        self._held = (step, metrics, elapsed, self._examples, self._weights)
+        self._tick, self._examples, self._weights = time.perf_counter(), 0, []
+
+    def flush(self) -> None:
+        if self._held is None:
+            return
+        step, metrics, elapsed, examples, weights = self._held
+        self._held = None
+        if weights:  # examples/s, or with a weighted loss weight/s (real examples, tokens)
+            rate = {"weight_per_s": float(np.sum(gather_replicas(weights))) / elapsed}
         else:
-            out = {"examples_per_s": self._examples / elapsed}
-        self.__init__()
-        return out
+            rate = {"examples_per_s": examples / elapsed}
+        row = {"step": step, **rate, **_global_metrics(metrics)}
+        self.record("train", row)
+        self.on_train_row(row)
+
+    def record(self, split: str, row: dict[str, Any]) -> None:
+        getattr(self.history, split).append(row)
+        for callback in self.callbacks:
+            callback({"split": split, **row})
 
 
 def _global_metrics(metrics: dict) -> dict[str, Any]:

@@ -100,6 +100,45 @@ def test_fit_with_a_dict_state_and_a_custom_step():
     assert [row["step"] for row in history.train] == [2, 4]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_read_one_step_late_hold_each_logged_steps_own_metrics(backend):
+    """fit reads a logged step's metrics after dispatching the next step; the rows
+    still hold that step's loss (the loss before its update, by hand), in order,
+    and a train row comes before the evaluation of the same step."""
+    data = [models.regression_batch(32, seed=300 + i) for i in range(7)]
+    step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8)
+    eval_step = models.backend(
+        backend,
+        jdp.make_eval_step(
+            lambda p, b: {"loss": jnp.mean((models.mlp_forward(p, b) - b["y"]) ** 2, axis=-1)}
+        ),
+        8,
+    )
+    seen = []
+    tx = optax.sgd(0.1)
+    _, history = jdp.fit(
+        step,
+        step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=tx)),
+        iter(data),
+        num_steps=7,
+        log_every=3,
+        eval_step=eval_step,
+        eval_data=lambda: [data[0]],
+        eval_every=3,
+        callbacks=[lambda row: seen.append((row["split"], row["step"]))],
+        progress=False,
+    )
+    assert seen == [("train", 3), ("eval", 3), ("train", 6), ("eval", 6), ("train", 7), ("eval", 7)]
+    params, by_hand = models.mlp_params(), {}
+    for i, batch in enumerate(data, start=1):
+        loss, grads = jax.value_and_grad(models.mlp_loss)(params, batch)
+        by_hand[i] = float(loss)
+        params = optax.apply_updates(params, tx.update(grads, tx.init(params))[0])
+    for row in history.train:
+        np.testing.assert_allclose(row["loss"], by_hand[row["step"]], rtol=1e-5)
+    assert all(row["examples_per_s"] > 0 for row in history.train)
+
+
 def _kill_resume(tmp_path, kind):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["PYTHONPATH"] = str(ROOT)
