@@ -20,7 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jdp.devices import warn_if_cpu_pool_unsafe
 from jdp.distributed import check_initialized
 from jdp.replication import replicate, replicate_across, unreplicate
-from jdp.sharding import AXIS_NAME, divisible_batch_size, leaves_with_paths, shard
+from jdp.sharding import (
+    AXIS_NAME,
+    divisible_batch_size,
+    leaves_with_paths,
+    local_mesh,
+    shard_blocks,
+)
 from jdp.state import TrainState
 from jdp.types import PyTree
 
@@ -63,6 +69,7 @@ class PmapStep:
         # and receives arrays over its local ones.
         self.devices = list(devices) if devices is not None else jax.local_devices()
         self.axis_name = axis_name
+        self._batch_sharding = NamedSharding(local_mesh(self.devices), PartitionSpec(AXIS_NAME))
         self._fn = jax.pmap(
             step,
             axis_name=axis_name,
@@ -92,7 +99,7 @@ class PmapStep:
 
     def shard(self, batch: PyTree) -> PyTree:
         """``(B, ...)`` -> ``(n, B // n, ...)`` on the devices (see :func:`jdp.shard`)."""
-        return shard(batch, self.devices)
+        return shard_blocks(batch, self._batch_sharding)
 
 
 class ShardMapStep:
@@ -178,6 +185,8 @@ class ShardMapStep:
         global batch.
         """
         divisible_batch_size(batch, len(self._sharded.addressable_devices))
+        if jax.process_count() == 1:  # the whole global batch is here: one device_put per leaf
+            return jax.tree.map(lambda x: jax.device_put(x, self._sharded), batch)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self._sharded, np.asarray(x)), batch
         )

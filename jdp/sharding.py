@@ -40,6 +40,12 @@ def batch_size(tree: PyTree, what: str = "batch") -> int:
       ValueError: a leaf is a scalar, the tree is empty, or two leaves
         disagree; the message names both leaves.
     """
+    # The per-step fast path: leaf paths are only built to explain a failure.
+    leaves = jax.tree.leaves(tree)
+    if leaves and all(hasattr(x, "dtype") and getattr(x, "ndim", 0) > 0 for x in leaves):
+        size = leaves[0].shape[0]
+        if all(x.shape[0] == size for x in leaves):
+            return size
     pairs = leaves_with_paths(tree, what)
     if not pairs:
         raise ValueError(f"{what} has no array leaves; got {tree!r:.80}.")
@@ -95,10 +101,13 @@ def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
       >>> jdp.shard({"x": np.zeros((16, 3))})["x"].shape
       (8, 2, 3)
     """
-    mesh = local_mesh(devices)
-    n = mesh.size
+    return shard_blocks(tree, NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME)))
+
+
+def shard_blocks(tree: PyTree, sharding: NamedSharding) -> PyTree:
+    """:func:`shard` onto the devices of a prebuilt 1-D ``sharding`` (built once per step)."""
+    n = sharding.mesh.size
     size = divisible_batch_size(tree, n)
-    sharding = NamedSharding(mesh, PartitionSpec(AXIS_NAME))
     return jax.tree.map(
         lambda x: jax.device_put(x.reshape((n, size // n) + x.shape[1:]), sharding),
         tree,
