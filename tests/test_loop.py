@@ -112,7 +112,7 @@ def test_demo_end_to_end(tmp_path):
 
     result = demo.main(
         ["--steps", "150", "--eval-every", "50", "--out", str(tmp_path), "--quiet"]
-        + ["--precision", "float32"]
+        + ["--precision", "float32", "--compilation-cache", ""]
     )
     assert result["test_examples"] == 357 and result["steps"] == 150
     assert result["test_accuracy"] >= 0.9
