@@ -27,15 +27,12 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
 
 import jdp
-
-jdp.force_cpu_devices(8)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from jax import lax  # noqa: E402
 
 SIZES = (784, 512, 512, 10)
 GLOBAL_BATCH = 512
@@ -184,6 +181,9 @@ def bench_n(n, rounds, steps):
 
 
 def main():
+    # Here, not at import: torch_ddp.py and end_to_end.py import this module's
+    # MLP into processes with their own device counts.
+    jdp.force_cpu_devices(8)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=100, help="steps per round")
