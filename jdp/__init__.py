@@ -14,6 +14,7 @@ from jdp.loss_scale import (
     StaticLossScale,
     all_finite,
 )
+from jdp.optimizer_sharding import ShardedOptState, clip_by_global_norm
 from jdp.parallel import PmapStep, ShardMapStep, pmap, shard_map
 from jdp.precision import Policy
 from jdp.replication import (
@@ -45,6 +46,7 @@ __all__ = [
     "Policy",
     "PyTree",
     "ShardMapStep",
+    "ShardedOptState",
     "StaticLossScale",
     "TensorBoardLogger",
     "TrainState",
@@ -55,6 +57,7 @@ __all__ = [
     "assert_replicas_in_sync",
     "broadcast",
     "check_exact",
+    "clip_by_global_norm",
     "distributed",
     "evaluate",
     "fit",

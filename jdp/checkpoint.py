@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jdp import optimizer_sharding
 from jdp.replication import is_prng_key, replicate, replicate_across, unreplicate
 from jdp.state import TrainState
 from jdp.types import PyTree
@@ -123,7 +124,7 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpointer.save: checkpoint {step} already exists in {self.directory}."
             )
-        arrays = _nest({parts: leaf for parts, _, leaf in _leaves(_global_copy(state))})
+        arrays = _nest({parts: leaf for parts, _, leaf in _leaves(_global_copy(_whole(state)))})
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -315,6 +316,23 @@ def _global_copy(tree: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
+def _whole(tree: PyTree) -> PyTree:
+    """A split optimizer state (shard_optimizer=True) in its logical layout, on the host.
+
+    Checkpoints hold the layout ``tx.init(params)`` returns, so a run restores
+    into either layout and onto any device count.
+    """
+    return jax.tree.map(
+        lambda x: (
+            optimizer_sharding.whole(x, lambda leaf: leaf)
+            if optimizer_sharding.is_sharded_state(x)
+            else x
+        ),
+        tree,
+        is_leaf=optimizer_sharding.is_sharded_state,
+    )
+
+
 def _first_sharding(tree: PyTree) -> NamedSharding | None:
     for leaf in jax.tree.leaves(tree):
         if isinstance(leaf, jax.Array):
@@ -328,6 +346,9 @@ def _one_copy(tree: PyTree) -> PyTree:
 
 
 def _placement_like(template: PyTree) -> Callable[[PyTree], PyTree]:
+    split = getattr(template, "opt_state", None)
+    if optimizer_sharding.is_sharded_state(split):
+        return _split_placement(template, split)
     sharding = _first_sharding(template)
     if sharding is None:
         return replicate
@@ -335,6 +356,19 @@ def _placement_like(template: PyTree) -> Callable[[PyTree], PyTree]:
         return lambda tree: replicate_across(tree, sharding.mesh)
     devices = list(sharding.mesh.devices.flat)
     return lambda tree: replicate(tree, devices)
+
+
+def _split_placement(template: PyTree, split) -> Callable[[PyTree], PyTree]:
+    """Places a whole state like ``template``: optimizer state split, the rest replicated."""
+    leaves = jax.tree.leaves(split.shards)
+    row = next(x for x, shape in zip(leaves, split.logical_shapes, strict=True) if shape)
+    sharding = row.sharding
+    devices = list(sharding.mesh.devices.flat)
+    base = _placement_like(template.replace(opt_state=None))
+    # The mesh is the whole data axis, or (pmap over several processes) this
+    # process's part of it, where a device's row is its global index.
+    row_of = devices.index if sharding.mesh.size == split.num_shards else jax.devices().index
+    return lambda tree: optimizer_sharding.place(tree, split.num_shards, base, sharding, row_of)
 
 
 def _part(key) -> str:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdp import optimizer_sharding
 from jdp.devices import warn_if_cpu_pool_unsafe
 from jdp.distributed import check_initialized
 from jdp.replication import replicate, replicate_across, unreplicate
@@ -68,6 +69,7 @@ class PmapStep:
         # devices=None maps over every process's devices; each process feeds
         # and receives arrays over its local ones.
         self.devices = list(devices) if devices is not None else jax.local_devices()
+        self._all_devices = devices is None
         self.axis_name = axis_name
         self._batch_sharding = NamedSharding(local_mesh(self.devices), PartitionSpec(AXIS_NAME))
         self._fn = jax.pmap(
@@ -90,11 +92,24 @@ class PmapStep:
         return self._fn.lower(state, batch)
 
     def replicate(self, tree: PyTree) -> PyTree:
-        """One copy per device with a leading device axis (see :func:`jdp.replicate`)."""
-        return replicate(tree, self.devices)
+        """One copy per device with a leading device axis (see :func:`jdp.replicate`).
+
+        For a ``shard_optimizer=True`` step, a TrainState's optimizer state is
+        split instead: row i of each sharded leaf on device i.
+        """
+        if not (_shards_optimizer(self.step) and isinstance(tree, TrainState)):
+            return replicate(tree, self.devices)
+        every = self._all_devices
+        if every:  # pmap over every process's devices: the axis index is the global one
+            n, row_of = jax.device_count(), jax.devices().index
+        else:
+            n, row_of = len(self.devices), self.devices.index
+        return optimizer_sharding.place(
+            tree, n, lambda t: replicate(t, self.devices), self._batch_sharding, row_of
+        )
 
     def unreplicate(self, tree: PyTree) -> PyTree:
-        """Replica 0's values (see :func:`jdp.unreplicate`)."""
+        """Replica 0's values, a split optimizer state whole (see :func:`jdp.unreplicate`)."""
         return unreplicate(tree)
 
     def shard(self, batch: PyTree) -> PyTree:
@@ -126,26 +141,8 @@ class ShardMapStep:
         self.axis_name = axis_name
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
 
-        returns_state = getattr(step, "returns_state", True)
-
-        def per_replica(state, batch):
-            out = step(state, batch)
-            if not returns_state:  # evaluation: per-replica outputs only
-                return jax.tree.map(lambda m: m[None], out)
-            state, metrics = out
-            return state, jax.tree.map(lambda m: m[None], metrics)
-
-        # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
-        # the only gradient reduction (see docs/backends.md).
-        per_replica_spec = PartitionSpec(axis_name)
-        mapped = jax.shard_map(
-            per_replica,
-            mesh=mesh,
-            in_specs=(PartitionSpec(), PartitionSpec(axis_name)),
-            out_specs=(PartitionSpec(), per_replica_spec) if returns_state else per_replica_spec,
-            check_vma=False,
-        )
-        self._fn = jax.jit(mapped, donate_argnums=_donation(step, donate_state, "shard_map"))
+        self._donate = _donation(step, donate_state, "shard_map")
+        self._fns: dict = {}
         self._warned_layout = False
         warn_if_cpu_pool_unsafe(mesh.size)
 
@@ -163,18 +160,72 @@ class ShardMapStep:
                 UserWarning,
                 stacklevel=2,
             )
-        return _call(self._fn, state, batch, self.axis_name, "shard_map")
+        return _call(self._fn_for(state), state, batch, self.axis_name, "shard_map")
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
-        return self._fn.lower(state, batch)
+        return self._fn_for(state).lower(state, batch)
+
+    def _fn_for(self, state: PyTree):
+        """The jitted step for this state's layout (a split optimizer state has its own)."""
+        sharded = getattr(state, "opt_state", None)
+        key = sharded.logical_shapes if optimizer_sharding.is_sharded_state(sharded) else None
+        if key not in self._fns:
+            self._fns[key] = self._build(state if key is not None else None)
+        return self._fns[key]
+
+    def _build(self, sharded_state: PyTree | None):
+        step, axis_name = self.step, self.axis_name
+        returns_state = getattr(step, "returns_state", True)
+        state_spec = PartitionSpec()
+        if sharded_state is not None:
+            state_spec = optimizer_sharding.map_shards(
+                jax.tree.map(lambda _: PartitionSpec(), sharded_state),
+                lambda _: PartitionSpec(axis_name),
+            )
+
+        def per_replica(state, batch):
+            # A split optimizer leaf arrives as this device's (1, ...) row.
+            state = optimizer_sharding.map_shards(state, lambda x: x[0])
+            out = step(state, batch)
+            if not returns_state:  # evaluation: per-replica outputs only
+                return jax.tree.map(lambda m: m[None], out)
+            state, metrics = out
+            state = optimizer_sharding.map_shards(state, lambda x: x[None])
+            return state, jax.tree.map(lambda m: m[None], metrics)
+
+        # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
+        # the only gradient reduction (see docs/backends.md).
+        per_replica_spec = PartitionSpec(axis_name)
+        mapped = jax.shard_map(
+            per_replica,
+            mesh=self.mesh,
+            in_specs=(state_spec, PartitionSpec(axis_name)),
+            out_specs=(state_spec, per_replica_spec) if returns_state else per_replica_spec,
+            check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=self._donate)
 
     def replicate(self, tree: PyTree) -> PyTree:
-        """One global copy of ``tree``, replicated across the mesh (never aliased)."""
-        return replicate_across(tree, self.mesh)
+        """One global copy of ``tree``, replicated across the mesh (never aliased).
+
+        For a ``shard_optimizer=True`` step, a TrainState's optimizer state is
+        split instead: sharded leaves are ``(n, ...)`` arrays, row i on the
+        mesh's device i.
+        """
+        if not (_shards_optimizer(self.step) and isinstance(tree, TrainState)):
+            return replicate_across(tree, self.mesh)
+        devices = list(self.mesh.devices.flat)
+        return optimizer_sharding.place(
+            tree,
+            self.mesh.size,
+            lambda t: replicate_across(t, self.mesh),
+            self._sharded,
+            devices.index,
+        )
 
     def unreplicate(self, tree: PyTree) -> PyTree:
-        """The local copy of replicated state (see :func:`jdp.unreplicate`)."""
+        """The local copy of replicated state, a split optimizer state whole."""
         return unreplicate(tree)
 
     def shard(self, batch: PyTree) -> PyTree:
@@ -259,6 +310,10 @@ def shard_map(
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
 
 
+def _shards_optimizer(step: Step) -> bool:
+    return bool(getattr(step, "shard_optimizer", False))
+
+
 def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str):
     """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error."""
     leaves = jax.tree.leaves(state)
@@ -292,7 +347,7 @@ def _check_state(state: PyTree, n: int, *, expected_ndim: int, layout: str) -> N
     if layout == "pmap" and ndim == 1:
         raise ValueError(
             f"The state is replicated for {state.step.shape[0]} devices but this "
-            f"step runs on {n}. Re-place it: state = jdp.replicate(jdp.unreplicate(state))."
+            f"step runs on {n}. Re-place it: state = step.replicate(step.unreplicate(state))."
         )
     if layout == "pmap":
         raise ValueError(

@@ -9,6 +9,7 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdp import optimizer_sharding
 from jdp.distributed import check_initialized
 from jdp.sharding import AXIS_NAME, leaves_with_paths, local_mesh
 from jdp.types import PyTree
@@ -119,7 +120,16 @@ def unreplicate(tree: PyTree) -> PyTree:
       (3,)
     """
     _check_replicated(tree, "unreplicate")
-    return jax.tree.map(_replica0, tree)
+    # A sharded optimizer state (shard_optimizer=True) comes back whole.
+    return jax.tree.map(
+        lambda x: (
+            optimizer_sharding.whole(x, _replica0)
+            if optimizer_sharding.is_sharded_state(x)
+            else _replica0(x)
+        ),
+        tree,
+        is_leaf=optimizer_sharding.is_sharded_state,
+    )
 
 
 def _check_replicated(tree: PyTree, what: str) -> None:
@@ -245,7 +255,8 @@ def _pbroadcast(x, axis_name, source):
 def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
     """Raises if any replica of any leaf differs from replica 0 by more than ``atol``.
 
-    NaNs in the same places count as equal.
+    NaNs in the same places count as equal. The rows of an optimizer state
+    split by a ``shard_optimizer=True`` step differ by design and are skipped.
 
     With several processes, each process's replicas are also compared with
     process 0's (a collective: every process must call it).
@@ -259,6 +270,7 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
       >>> jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}))
     """
     several = jax.process_count() > 1
+    tree = optimizer_sharding.without_split_leaves(tree)
     _check_replicated(tree, "assert_replicas_in_sync")
     for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
         replicas = _replicas(leaf)

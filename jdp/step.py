@@ -5,6 +5,7 @@ over ``axis_name``, so ``jdp.pmap`` and ``jdp.shard_map`` wrap it unchanged.
 """
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jdp import exact
+from jdp import exact, optimizer_sharding
 from jdp.loss_scale import NoOpLossScale, all_finite
 from jdp.precision import Policy, as_policy
 from jdp.sharding import AXIS_NAME, batch_size, leaves_with_paths
@@ -90,7 +91,7 @@ def reduce_gradients(
 
 
 def apply_gradients(
-    state: TrainState, grads: PyTree, *, model_state: PyTree = None
+    state: TrainState, grads: PyTree, *, model_state: PyTree = None, axis_name: str | None = None
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """Applies all-reduced, unscaled gradients; skips the update where they are not finite.
 
@@ -106,6 +107,9 @@ def apply_gradients(
       grads: the reduced gradients, already unscaled
         (``state.loss_scale.unscale(...)``).
       model_state: the new model state, or None to keep ``state.model_state``.
+      axis_name: when each replica holds only a slice of the gradients (a
+        sharded optimizer), the data axis over which the replicas agree on
+        whether the gradients are finite; None when every replica holds them all.
 
     Returns:
       ``(new_state, metrics)``; metrics hold ``grads_finite``, ``loss_scale``
@@ -130,6 +134,8 @@ def apply_gradients(
         )
         return new, {}
     finite = all_finite(grads)
+    if axis_name is not None:  # every replica checked its own slice: one decision for all
+        finite = lax.pmin(finite.astype(jnp.int32), axis_name) > 0
     params, opt_state, model_state = jax.tree.map(
         lambda new, old: lax.select(finite, new, old),
         (params, opt_state, model_state),
@@ -152,6 +158,35 @@ def apply_gradients(
     return new, metrics
 
 
+def _apply_sharded(
+    state: TrainState, grads: PyTree, *, model_state: PyTree, axis_name: str
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """:func:`apply_gradients` on this replica's slices; the new params all-gathered."""
+    n = lax.axis_size(axis_name)
+    sharded = state.opt_state
+    if not isinstance(sharded, optimizer_sharding.ShardedOptState):
+        raise TypeError(
+            "make_train_step(shard_optimizer=True) needs the optimizer state split over the "
+            f"devices, got a {type(sharded).__name__}. Place the state with the wrapper: "
+            "state = step.replicate(jdp.TrainState.create(...))."
+        )
+    if sharded.num_shards != n:
+        raise ValueError(
+            f"The optimizer state is split {sharded.num_shards} ways but the step runs on {n} "
+            "devices. Re-place it: state = step.replicate(other_step.unreplicate(state)), or "
+            "restore a checkpoint (checkpoints hold the whole state)."
+        )
+    slices = optimizer_sharding.param_slices(state.params, lax.axis_index(axis_name), n)
+    view = state.replace(params=slices, opt_state=sharded.shards)
+    with optimizer_sharding.sharded_update(axis_name, state.params, n):
+        optimizer_sharding.check_elementwise(state.tx.update, grads, sharded.shards, slices)
+        new, info = apply_gradients(view, grads, model_state=model_state, axis_name=axis_name)
+    return new.replace(
+        params=optimizer_sharding.gather_params(new.params, state.params, axis_name),
+        opt_state=optimizer_sharding.ShardedOptState(new.opt_state, sharded.logical_shapes, n),
+    ), info
+
+
 def make_train_step(
     loss_fn: Callable[..., Any],
     *,
@@ -165,6 +200,7 @@ def make_train_step(
     log_grad_norm: bool = False,
     log_learning_rate: bool | Callable[[jax.Array], jax.Array] = False,
     virtual_replicas: int | None = None,
+    shard_optimizer: bool = False,
 ) -> Step:
     """Builds a pure per-replica step ``(state, batch) -> (state, metrics)``.
 
@@ -225,6 +261,12 @@ def make_train_step(
         bitwise the same on any number of devices and processes. Metrics are
         then the global values, identical on every device, plus
         ``virtual_replica_loss``: each virtual replica's own loss, shape (G,).
+      shard_optimizer: weight-update sharding (ZeRO-1, ``docs/memory.md``):
+        each replica holds and updates 1/n of the optimizer state; gradients
+        are reduce-scattered and the new parameters all-gathered. The same
+        update for elementwise optimizers; a transform that reduces over a
+        slice is refused when the step is first traced. Place the state with
+        the wrapper's ``step.replicate``.
 
     Returns:
       The step. Its metrics hold ``loss`` (this replica's weighted mean,
@@ -247,6 +289,15 @@ def make_train_step(
     _check_options(loss_fn, grad_reduce, accumulate_steps)
     if virtual_replicas is not None:
         exact.check_virtual_replicas(virtual_replicas, accumulate_steps, grad_reduce)
+        if shard_optimizer:
+            raise ValueError(
+                "make_train_step: shard_optimizer=True does not combine with exact mode "
+                "(virtual_replicas) yet; choose one of them."
+            )
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(
+            f"make_train_step: shard_optimizer must be a bool, got {shard_optimizer!r}."
+        )
     policy = as_policy(precision)
     forward = _make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
 
@@ -260,8 +311,10 @@ def make_train_step(
         log_grad_norm=log_grad_norm,
         log_learning_rate=log_learning_rate,
         virtual_replicas=virtual_replicas,
+        shard_optimizer=shard_optimizer,
     )
     train_step.axis_name = axis_name
+    train_step.shard_optimizer = shard_optimizer
     return train_step
 
 
@@ -276,11 +329,12 @@ def _build_step(
     log_grad_norm,
     log_learning_rate,
     virtual_replicas,
+    shard_optimizer,
 ) -> Step:
     """The per-replica step around ``forward``: contribution, reduction, update, metrics."""
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, dict[str, jax.Array]]:
-        _check_state(state, has_model_state, has_rng)
+        _check_state(state, has_model_state, has_rng, shard_optimizer)
         size = batch_size(batch)
         if size % accumulate_steps:
             raise ValueError(
@@ -290,8 +344,11 @@ def _build_step(
             )
         if virtual_replicas is None:
             rng = replica_rng(state.rng, state.step, axis_name) if has_rng else None
+            reduce = (
+                optimizer_sharding.reduce_scatter_gradients if shard_optimizer else reduce_gradients
+            )
             grads, loss, weight, model_state, aux = _replica_contribution(
-                forward, state, batch, rng, accumulate_steps, axis_name, grad_reduce
+                forward, state, batch, rng, accumulate_steps, axis_name, grad_reduce, reduce
             )
         else:  # exact mode: global values, identical on every device
             rng = jax.random.fold_in(state.rng, state.step) if has_rng else None
@@ -299,14 +356,16 @@ def _build_step(
             grads, loss, weight, model_state, aux = reduced[:5]
             aux = {**aux, "virtual_replica_loss": reduced.virtual_replica_loss}
         grads = state.loss_scale.unscale(grads)
-        before = state.opt_state
-        state, info = apply_gradients(
-            state, grads, model_state=model_state if has_model_state else None
-        )
+        before, params = state.opt_state, state.params
+        apply = partial(_apply_sharded, axis_name=axis_name) if shard_optimizer else apply_gradients
+        state, info = apply(state, grads, model_state=model_state if has_model_state else None)
         metrics = {"loss": loss, **aux, **info}
         if weight is not None:
             metrics["weight"] = weight
-        if log_grad_norm:
+        if log_grad_norm and shard_optimizer:
+            with optimizer_sharding.sharded_update(axis_name, params, lax.axis_size(axis_name)):
+                metrics["grad_norm"] = optimizer_sharding.global_norm(grads)
+        elif log_grad_norm:
             metrics["grad_norm"] = optax.tree.norm(grads)
         if log_learning_rate is not False:
             metrics["learning_rate"] = _learning_rate(log_learning_rate, before, state.opt_state)
@@ -315,10 +374,12 @@ def _build_step(
     return train_step
 
 
-def _replica_contribution(forward, state, batch, rng, accumulate_steps, axis_name, grad_reduce):
+def _replica_contribution(
+    forward, state, batch, rng, accumulate_steps, axis_name, grad_reduce, reduce
+):
     """``(reduced grads, this replica's loss, weight, averaged model state, aux)``."""
     local = _accumulate(forward, state, batch, rng, accumulate_steps)
-    grads = reduce_gradients(local.grads, axis_name, grad_reduce, local.weight)
+    grads = reduce(local.grads, axis_name, grad_reduce, local.weight)
     model_state = weighted_average(local.model_state, local.weight, axis_name)
     weighted = local.weight is not None
     loss = safe_divide(local.total, local.weight) if weighted else local.total
@@ -342,7 +403,7 @@ def _check_options(loss_fn, grad_reduce, accumulate_steps) -> None:
         raise ValueError(f"make_train_step: accumulate_steps must be >= 1, got {accumulate_steps}.")
 
 
-def _check_state(state, has_model_state: bool, has_rng: bool) -> None:
+def _check_state(state, has_model_state: bool, has_rng: bool, shard_optimizer: bool) -> None:
     """Trace-time checks of the state against the step's options."""
     if not isinstance(state, TrainState):
         raise TypeError(
@@ -353,6 +414,13 @@ def _check_state(state, has_model_state: bool, has_rng: bool) -> None:
         raise ValueError(
             "make_train_step(has_rng=True) needs a key in the state: "
             "TrainState.create(..., rng=jax.random.key(0))."
+        )
+    if isinstance(state.opt_state, optimizer_sharding.ShardedOptState) and not shard_optimizer:
+        raise TypeError(
+            "The state's optimizer state is split over the devices (placed for a "
+            "make_train_step(shard_optimizer=True) step), but this step holds it whole. "
+            "Re-place it: state = step.replicate(sharded_step.unreplicate(state)), or build "
+            "this step with shard_optimizer=True."
         )
     if has_model_state and state.model_state is None:
         raise ValueError(
