@@ -31,11 +31,13 @@ test: lint
 demo: $(VENV)/.installed
 	$(PY) -m jdp.demo
 
-# The step against a hand-written one, then end to end (fit vs a hand loop,
-# compile time and cache), then PyTorch DDP when torch is installed
-# ($(PY) -m pip install torch==2.13.0; skipped otherwise).
+# The step against a hand-written one; per-device memory of the sharded
+# optimizer; end to end (fit vs a hand loop, compile time and cache); then
+# PyTorch DDP when torch is installed ($(PY) -m pip install torch==2.13.0;
+# skipped otherwise).
 bench: $(VENV)/.installed
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/end_to_end.py --first-step
 	$(PY) benchmarks/torch_ddp.py
 

@@ -7,6 +7,8 @@ same MLP and global batch:
   pmap   jdp.pmap(jdp.make_train_step(loss))                 float32
   smap   jdp.shard_map(jdp.make_train_step(loss))            float32
   pmap16 / smap16: the same with precision=jdp.Policy(jnp.bfloat16, cast_batch=("x",))
+  pmapZ / smapZ: shard_optimizer=True (weight-update sharding, docs/memory.md);
+         ratio sharded/replicated
   pmapX / smapX: exact mode, make_train_step(loss, virtual_replicas=8): bitwise the
          same result on every device count (docs/exact.md); ratio exact/ordinary
 
@@ -96,9 +98,13 @@ class HandWritten:
 
 
 class Jdp:
-    def __init__(self, backend, tx, devices, compute_dtype=None, virtual_replicas=None):
+    def __init__(
+        self, backend, tx, devices, compute_dtype=None, virtual_replicas=None, shard=False
+    ):
         policy = jdp.Policy(compute_dtype, cast_batch=("x",) if compute_dtype else ())
-        step = jdp.make_train_step(loss_fn, precision=policy, virtual_replicas=virtual_replicas)
+        step = jdp.make_train_step(
+            loss_fn, precision=policy, virtual_replicas=virtual_replicas, shard_optimizer=shard
+        )
         if backend == "pmap":
             self.step = jdp.pmap(step, devices=devices)
         else:
@@ -142,6 +148,8 @@ def bench_n(n, rounds, steps):
         "smap16": Jdp("shard_map", tx, devices, jnp.bfloat16),
         "pmapX": Jdp("pmap", tx, devices, virtual_replicas=8),
         "smapX": Jdp("shard_map", tx, devices, virtual_replicas=8),
+        "pmapZ": Jdp("pmap", tx, devices, shard=True),
+        "smapZ": Jdp("shard_map", tx, devices, shard=True),
     }
     params, host_batch = init_params(), data()
     states, batches, compile_s, memory = {}, {}, {}, {}
@@ -174,6 +182,10 @@ def bench_n(n, rounds, steps):
         "exact_over_ordinary": {
             "pmap": medians["pmapX"] / medians["pmap"],
             "smap": medians["smapX"] / medians["smap"],
+        },
+        "sharded_over_replicated": {
+            "pmap": medians["pmapZ"] / medians["pmap"],
+            "smap": medians["smapZ"] / medians["smap"],
         },
         "compile_s": compile_s,
         "peak_mib_per_device": memory,
@@ -223,6 +235,17 @@ def main():
         print(
             f"{r['n']:>2} {s['pmapX']:>8.1f} {s['smapX']:>8.1f} {e['pmap']:>10.3f} {e['smap']:>10.3f}"
             f"       {m['pmapX']:>7.1f},{m['smapX']:>7.1f}"
+        )
+    print("\nweight-update sharding (shard_optimizer=True) against the replicated step")
+    print(
+        f"{'n':>2} {'pmapZ/s':>8} {'smapZ/s':>8} {'pmapZ/pmap':>10} {'smapZ/smap':>10}"
+        f" {'peak MiB (pmapZ,smapZ)':>24}"
+    )
+    for r in results:
+        s, z, m = r["steps_per_s"], r["sharded_over_replicated"], r["peak_mib_per_device"]
+        print(
+            f"{r['n']:>2} {s['pmapZ']:>8.1f} {s['smapZ']:>8.1f} {z['pmap']:>10.3f} {z['smap']:>10.3f}"
+            f"       {m['pmapZ']:>7.1f},{m['smapZ']:>7.1f}"
         )
     if args.json:
         with open(args.json, "w") as f:
