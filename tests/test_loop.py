@@ -111,13 +111,16 @@ def test_demo_end_to_end(tmp_path):
     from jdp import demo
 
     result = demo.main(
-        ["--steps", "150", "--eval-every", "50", "--out", str(tmp_path), "--quiet"]
+        ["--steps", "150", "--eval-every", "75", "--out", str(tmp_path), "--quiet"]
         + ["--precision", "float32", "--compilation-cache", ""]
     )
     assert result["test_examples"] == 357 and result["steps"] == 150
     assert result["test_accuracy"] >= 0.9
-    # 150 float32 steps: 1 device and 8 differ only by float rounding (3.7e-7 measured).
-    assert result["max_param_diff"] < 1e-5
+    # float32 mode trains in exact mode by default: 1 device and 8 end bit for
+    # bit equal, so the difference is 0 after any number of steps (the
+    # ordinary step's rounding grew to 2.4e-2 after 600 steps).
+    assert result["exact_mode"] and result["bitwise_equal"]
+    assert result["max_param_diff"] == 0.0
     assert len(result["per_replica_loss"]) == 8
     assert (tmp_path / "promises.png").read_bytes()[:4] == b"\x89PNG"
     assert (
