@@ -224,6 +224,22 @@ def bench_n(n, rounds, steps):
     }
 
 
+def print_variant_table(results, suffix: str, ratios: str, title: str) -> None:
+    """Steps/s, ratio to the ordinary step and peak of the pmap/smap + ``suffix`` variants."""
+    p, q = f"pmap{suffix}", f"smap{suffix}"
+    print(f"\n{title}")
+    print(
+        f"{'n':>2} {p + '/s':>8} {q + '/s':>8} {p + '/pmap':>10} {q + '/smap':>10}"
+        f" {f'peak MiB ({p},{q})':>24}"
+    )
+    for r in results:
+        s, z, m = r["steps_per_s"], r[ratios], r["peak_mib_per_device"]
+        print(
+            f"{r['n']:>2} {s[p]:>8.1f} {s[q]:>8.1f} {z['pmap']:>10.3f} {z['smap']:>10.3f}"
+            f"       {m[p]:>7.1f},{m[q]:>7.1f}"
+        )
+
+
 def main():
     # Here, not at import: torch_ddp.py and end_to_end.py import this module's
     # MLP into processes with their own device counts.
@@ -265,28 +281,18 @@ def main():
                 f"pmap {s['pmap'] / s['jit']:.3f}, shard_map {s['smap'] / s['jit']:.3f}, "
                 f"hand-written pmap {s['hand'] / s['jit']:.3f}"
             )
-    print("\nexact mode (virtual_replicas=8) against the ordinary step of the same backend")
-    print(
-        f"{'n':>2} {'pmapX/s':>8} {'smapX/s':>8} {'pmapX/pmap':>10} {'smapX/smap':>10}"
-        f" {'peak MiB (pmapX,smapX)':>24}"
+    print_variant_table(
+        results,
+        "X",
+        "exact_over_ordinary",
+        "exact mode (virtual_replicas=8) against the ordinary step of the same backend",
     )
-    for r in results:
-        s, e, m = r["steps_per_s"], r["exact_over_ordinary"], r["peak_mib_per_device"]
-        print(
-            f"{r['n']:>2} {s['pmapX']:>8.1f} {s['smapX']:>8.1f} {e['pmap']:>10.3f} {e['smap']:>10.3f}"
-            f"       {m['pmapX']:>7.1f},{m['smapX']:>7.1f}"
-        )
-    print("\nweight-update sharding (shard_optimizer=True) against the replicated step")
-    print(
-        f"{'n':>2} {'pmapZ/s':>8} {'smapZ/s':>8} {'pmapZ/pmap':>10} {'smapZ/smap':>10}"
-        f" {'peak MiB (pmapZ,smapZ)':>24}"
+    print_variant_table(
+        results,
+        "Z",
+        "sharded_over_replicated",
+        "weight-update sharding (shard_optimizer=True) against the replicated step",
     )
-    for r in results:
-        s, z, m = r["steps_per_s"], r["sharded_over_replicated"], r["peak_mib_per_device"]
-        print(
-            f"{r['n']:>2} {s['pmapZ']:>8.1f} {s['smapZ']:>8.1f} {z['pmap']:>10.3f} {z['smap']:>10.3f}"
-            f"       {m['pmapZ']:>7.1f},{m['smapZ']:>7.1f}"
-        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

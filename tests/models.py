@@ -138,6 +138,24 @@ def train_parallel(step_fn, state, data, backend_name, n):
     return step.unreplicate(state), metrics
 
 
+def launch(script, processes, devices, *args, timeout=240):
+    """Runs ``python -m jdp.launch`` with ``script`` (in tests/) and its args; asserts success."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["PYTHONPATH"] = str(root)
+    cmd = [sys.executable, "-m", "jdp.launch", "--processes", str(processes)]
+    cmd += ["--devices-per-process", str(devices), str(root / "tests" / script)]
+    run = subprocess.run(
+        cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 def run_killable(cmd, env, kill_after=None, timeout=120):
     """Runs ``cmd``, reading its output lines; SIGKILLs it after the line ``step {kill_after}``.
 

@@ -1,9 +1,6 @@
 """Exact mode: bitwise the same result on any number of devices and processes."""
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -129,25 +126,10 @@ def test_checkpoint_at_8_devices_resumes_at_2_bitwise(backend, tmp_path):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_processes_of_two_devices_equal_one_of_four_bitwise(backend, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    env["PYTHONPATH"] = str(ROOT)
     out = {}
     for processes, devices in [(2, 2), (1, 4)]:
         path = tmp_path / f"{processes}x{devices}.npz"
-        cmd = [
-            sys.executable,
-            "-m",
-            "jdp.launch",
-            "--processes",
-            str(processes),
-            "--devices-per-process",
-            str(devices),
-            str(ROOT / "tests" / "multiprocess_exact.py"),
-            str(path),
-            backend,
-        ]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert run.returncode == 0, run.stderr[-3000:]
+        models.launch("multiprocess_exact.py", processes, devices, path, backend)
         out[processes] = np.load(path)
     for name in out[1].files:
         np.testing.assert_array_equal(out[1][name], out[2][name], err_msg=name)

@@ -2,10 +2,7 @@
 
 import itertools
 import math
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -301,26 +298,12 @@ def test_checkpoints_hold_the_whole_state_and_cross_layouts_and_device_counts(tm
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_processes_of_two_devices_equal_one_of_four(backend, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    env["PYTHONPATH"] = str(ROOT)
     out = {}
     for processes, devices in [(2, 2), (1, 4)]:
         path = tmp_path / f"{processes}x{devices}.npz"
-        cmd = [
-            sys.executable,
-            "-m",
-            "jdp.launch",
-            "--processes",
-            str(processes),
-            "--devices-per-process",
-            str(devices),
-            str(ROOT / "tests" / "multiprocess_zero.py"),
-            str(path),
-            backend,
-            str(tmp_path / f"ckpt{processes}"),
-        ]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert run.returncode == 0, run.stderr[-3000:]
+        models.launch(
+            "multiprocess_zero.py", processes, devices, path, backend, tmp_path / f"c{processes}"
+        )
         out[processes] = np.load(path)
     assert set(out[1].files) == set(out[2].files)
     for name in out[1].files:
