@@ -287,17 +287,7 @@ def make_train_step(
       (8,)
     """
     _check_options(loss_fn, grad_reduce, accumulate_steps)
-    if virtual_replicas is not None:
-        exact.check_virtual_replicas(virtual_replicas, accumulate_steps, grad_reduce)
-        if shard_optimizer:
-            raise ValueError(
-                "make_train_step: shard_optimizer=True does not combine with exact mode "
-                "(virtual_replicas) yet; choose one of them."
-            )
-    if not isinstance(shard_optimizer, bool):
-        raise TypeError(
-            f"make_train_step: shard_optimizer must be a bool, got {shard_optimizer!r}."
-        )
+    _check_modes(virtual_replicas, accumulate_steps, grad_reduce, shard_optimizer)
     policy = as_policy(precision)
     forward = _make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
 
@@ -401,6 +391,22 @@ def _check_options(loss_fn, grad_reduce, accumulate_steps) -> None:
         )
     if accumulate_steps < 1:
         raise ValueError(f"make_train_step: accumulate_steps must be >= 1, got {accumulate_steps}.")
+
+
+def _check_modes(virtual_replicas, accumulate_steps, grad_reduce, shard_optimizer) -> None:
+    """Exact mode and weight-update sharding: each valid, and not both."""
+    if not isinstance(shard_optimizer, bool):
+        raise TypeError(
+            f"make_train_step: shard_optimizer must be a bool, got {shard_optimizer!r}."
+        )
+    if virtual_replicas is None:
+        return
+    exact.check_virtual_replicas(virtual_replicas, accumulate_steps, grad_reduce)
+    if shard_optimizer:
+        raise ValueError(
+            "make_train_step: shard_optimizer=True does not combine with exact mode "
+            "(virtual_replicas) yet; choose one of them."
+        )
 
 
 def _check_state(state, has_model_state: bool, has_rng: bool, shard_optimizer: bool) -> None:
