@@ -99,10 +99,9 @@ def fit(
         _with_position(train_data), shard_fn=lambda item: (train_step.shard(item[0]), item[1])
     )
     position = _position(train_data)
-    rows = _Rows(history, callbacks)
     with _progress_bar(progress) as bar:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
-        rows.on_train_row = lambda row: bar.update(task, completed=row["step"], status=_status(row))
+        rows = _Rows(history, callbacks, bar, task)
         while step < num_steps:
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
             state, metrics = train_step(state, batch)
@@ -240,7 +239,7 @@ def _step_of(state: PyTree) -> int:
 
 
 class _Rows:
-    """History rows and callbacks; a train row's metrics are read one step late.
+    """History rows, callbacks and the progress bar; a train row is read one step late.
 
     ``hold`` keeps the logged step's device metrics and throughput counts
     without waiting for the device; ``flush`` (after the next step has been
@@ -248,9 +247,8 @@ class _Rows:
     back and records the row.
     """
 
-    def __init__(self, history: History, callbacks: Sequence[Callable[[dict[str, Any]], None]]):
-        self.history, self.callbacks = history, callbacks
-        self.on_train_row: Callable[[dict[str, Any]], None] = lambda row: None
+    def __init__(self, history: History, callbacks: Sequence[Callable], bar: Progress, task):
+        self.history, self.callbacks, self.bar, self.task = history, callbacks, bar, task
         self._held = None
         self._tick, self._examples, self._weights = time.perf_counter(), 0, []
 
@@ -275,7 +273,7 @@ class _Rows:
             rate = {"examples_per_s": examples / elapsed}
         row = {"step": step, **rate, **_global_metrics(metrics)}
         self.record("train", row)
-        self.on_train_row(row)
+        self.bar.update(self.task, completed=step, status=_status(row))
 
     def record(self, split: str, row: dict[str, Any]) -> None:
         getattr(self.history, split).append(row)

@@ -106,8 +106,7 @@ class PmapStep:
         """
         if not (_shards_optimizer(self.step) and isinstance(tree, TrainState)):
             return replicate(tree, self.devices)
-        every = self._all_devices
-        if every:  # pmap over every process's devices: the axis index is the global one
+        if self._all_devices:  # pmap over every process's devices: the axis index is global
             n, row_of = jax.device_count(), jax.devices().index
         else:
             n, row_of = len(self.devices), self.devices.index
