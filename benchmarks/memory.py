@@ -60,7 +60,9 @@ def measure(n: int, shard: bool, params, loss, batch) -> dict:
     import optax
 
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
-    step = jdp.shard_map(jdp.make_train_step(loss, shard_optimizer=shard), mesh=mesh)
+    step = jdp.shard_map(
+        jdp.make_train_step(loss, strategy=jdp.strategies.zero1() if shard else None), mesh=mesh
+    )
     state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
     m = step.lower(state, step.shard(batch)).compile().memory_analysis()
     count = sum(x.size for x in jax.tree.leaves(params))

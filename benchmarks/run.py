@@ -11,7 +11,7 @@ same MLP and global batch:
   pmap16 / smap16: the same with precision=jdp.Policy(jnp.bfloat16, cast_batch=("x",))
   pmapZ / smapZ: shard_optimizer=True (weight-update sharding, docs/memory.md);
          ratio sharded/replicated
-  pmapX / smapX: exact mode, make_train_step(loss, virtual_replicas=8): bitwise the
+  pmapX / smapX: exact mode, make_train_step(loss, strategy=jdp.strategies.exact(8)): bitwise the
          same result on every device count (docs/exact.md); ratio exact/ordinary
 
 Rounds are interleaved (hand, pmap, smap, ... then again) so machine noise

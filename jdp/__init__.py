@@ -1,23 +1,23 @@
 """jdp: synchronous data-parallel training for JAX."""
 
-from jdp import distributed
-from jdp.checkpoint import Checkpointer, CheckpointError
-from jdp.data import BatchIterator, prefetch_to_device
-from jdp.devices import force_cpu_devices
-from jdp.evaluation import evaluate, make_eval_step
-from jdp.exact import check_exact
-from jdp.loop import History, fit
-from jdp.loss_scale import (
+from jdp import distributed, strategies
+from jdp._backends import PmapStep, ShardMapStep, pmap, shard_map
+from jdp._batching import pad_batch, shard, unshard
+from jdp._checkpoint import Checkpointer, CheckpointError
+from jdp._data import BatchIterator, prefetch_to_device
+from jdp._devices import force_cpu_devices
+from jdp._evaluation import evaluate, make_eval_step
+from jdp._forward import replica_rng
+from jdp._loop import History, fit
+from jdp._loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
 )
-from jdp.optimizer_sharding import ShardedOptState, clip_by_global_norm
-from jdp.parallel import PmapStep, ShardMapStep, pmap, shard_map
-from jdp.precision import Policy
-from jdp.replication import (
+from jdp._precision import Policy
+from jdp._replication import (
     assert_replicas_in_sync,
     broadcast,
     gather_replicas,
@@ -26,19 +26,24 @@ from jdp.replication import (
     sync_replicas,
     unreplicate,
 )
-from jdp.sharding import pad_batch, shard, unshard
-from jdp.state import TrainState
-from jdp.step import apply_gradients, make_train_step, reduce_gradients, replica_rng
-from jdp.tensorboard import TensorBoardLogger
-from jdp.types import PyTree
-from jdp.version import __version__
-from jdp.weighting import WeightedLoss, weighted_mean
+from jdp._state import TrainState
+from jdp._step import make_train_step
+from jdp._steps import EvalStep, TrainStep, wraps
+from jdp._tensorboard import TensorBoardLogger
+from jdp._tree import PyTree, dataclass, static_field
+from jdp._update import apply_gradients
+from jdp._version import __version__
+from jdp._weighting import WeightedLoss, weighted_mean
+from jdp.strategies._data_parallel import reduce_gradients
+from jdp.strategies._zero1 import ShardedOptState, clip_by_global_norm
+from jdp.testing import check_exact
 
 __all__ = [
     "BatchIterator",
     "CheckpointError",
     "Checkpointer",
     "DynamicLossScale",
+    "EvalStep",
     "History",
     "LossScale",
     "NoOpLossScale",
@@ -50,6 +55,7 @@ __all__ = [
     "StaticLossScale",
     "TensorBoardLogger",
     "TrainState",
+    "TrainStep",
     "WeightedLoss",
     "__version__",
     "all_finite",
@@ -58,6 +64,7 @@ __all__ = [
     "broadcast",
     "check_exact",
     "clip_by_global_norm",
+    "dataclass",
     "distributed",
     "evaluate",
     "fit",
@@ -74,8 +81,11 @@ __all__ = [
     "replicate_across",
     "shard",
     "shard_map",
+    "static_field",
+    "strategies",
     "sync_replicas",
     "unreplicate",
     "unshard",
     "weighted_mean",
+    "wraps",
 ]

@@ -13,7 +13,7 @@ evaluated exactly on every test image (357 is not a multiple of 8: the last
 batch is padded, and the metric leaves the padding out). The same model is
 then trained on one device from the same seed and data; ``--exact`` (the
 default with ``--precision float32``) trains both in exact mode
-(``virtual_replicas=8``, docs/exact.md), and they end bit for bit
+(``jdp.strategies.exact(8)``, docs/exact.md), and they end bit for bit
 identical. The figure shows what jdp promises on this run: 8 devices train
 like 1, every replica's loss, the loss scale and skipped steps, and the test
 accuracy.
@@ -255,9 +255,9 @@ def train(args, train_data, test_data, devices, checkpoints=None):
         wrap = lambda step: backend(step, devices=devices)  # noqa: E731
     else:
         wrap = lambda step: backend(step, mesh=jax.sharding.Mesh(np.asarray(devices), ("batch",)))  # noqa: E731
-    exact = args.virtual_replicas if args.exact else None
+    strategy = jdp.strategies.exact(args.virtual_replicas) if args.exact else None
     train_step = wrap(
-        jdp.make_train_step(loss_fn, has_aux=True, precision=policy, virtual_replicas=exact)
+        jdp.make_train_step(loss_fn, has_aux=True, precision=policy, strategy=strategy)
     )
     eval_step = wrap(jdp.make_eval_step(metric_fn))
     params = CNN().init(jax.random.key(args.seed), train_data["image"][:1])["params"]

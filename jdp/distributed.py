@@ -8,17 +8,29 @@ supports); explicit arguments go straight to ``jax.distributed.initialize``.
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
+from jax.experimental import multihost_utils
 
-from jdp.devices import force_cpu_devices
+from jdp._devices import force_cpu_devices
+from jdp._tree import PyTree, is_prng_key
 
 ENV_COORDINATOR = "JDP_COORDINATOR"
 ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
 ENV_CPU_DEVICES = "JDP_CPU_DEVICES_PER_PROCESS"
 ENV_TIMEOUT = "JDP_TIMEOUT"
+
+# Work to finish before a failed process exits at once (e.g. in-flight
+# checkpoint saves); modules above this one register theirs.
+_BEFORE_FATAL_EXIT: list[Callable[[float], None]] = []
+
+
+def before_fatal_exit(fn: Callable[[float], None]) -> None:
+    """Registers ``fn(timeout_s)`` to run when an uncaught exception ends this process."""
+    if fn not in _BEFORE_FATAL_EXIT:
+        _BEFORE_FATAL_EXIT.append(fn)
 
 
 def initialize(
@@ -105,9 +117,8 @@ def _exit_at_once(exc_type, exc, tb) -> None:
     sys.__excepthook__(exc_type, exc, tb)
     sys.stdout.flush()
     sys.stderr.flush()
-    checkpoint = sys.modules.get("jdp.checkpoint")
-    if checkpoint is not None:
-        checkpoint.finish_pending_saves(timeout=float(os.environ.get(ENV_TIMEOUT, 60)))
+    for finish in _BEFORE_FATAL_EXIT:
+        finish(float(os.environ.get(ENV_TIMEOUT, 60)))
     os._exit(1)
 
 
@@ -135,3 +146,23 @@ def check_initialized() -> None:
 def is_multiprocess() -> bool:
     """True when this process is one of several."""
     return jax.process_count() > 1
+
+
+def from_process0(tree: PyTree) -> PyTree:
+    """Process 0's values on every process (a collective when there are several).
+
+    The multi-process parameter sync of Caffe2's MPI broadcast; a no-op in a
+    single process.
+    """
+    check_initialized()
+    if jax.process_count() == 1:
+        return tree
+    data = jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
+    data = multihost_utils.broadcast_one_to_all(data)
+    return jax.tree.map(
+        lambda x, d: (
+            jax.random.wrap_key_data(d, impl=jax.random.key_impl(x)) if is_prng_key(x) else d
+        ),
+        tree,
+        data,
+    )

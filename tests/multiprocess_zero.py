@@ -24,7 +24,7 @@ from tests import models, test_optimizer_sharding  # noqa: E402
 
 def main(out, backend, directory):
     wrap = jdp.pmap if backend == "pmap" else jdp.shard_map
-    step = wrap(jdp.make_train_step(models.mlp_loss, shard_optimizer=True))
+    step = wrap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()))
     fresh = jdp.TrainState.create(params=test_optimizer_sharding.PARAMS, tx=optax.adam(1e-2))
     state = step.replicate(fresh)
     data = jdp.BatchIterator(models.regression_batch(512, seed=7), 64, seed=0)

@@ -34,12 +34,16 @@ CASES = {
         {},
     ),
     "sum": (
-        lambda: jdp.make_train_step(models.mlp_loss, grad_reduce="sum"),
+        lambda: jdp.make_train_step(
+            models.mlp_loss, strategy=jdp.strategies.data_parallel(reduce="sum")
+        ),
         lambda i: models.regression_batch(32, seed=i),
         {},
     ),
     "accumulate": (
-        lambda: jdp.make_train_step(models.mlp_loss, accumulate_steps=4),
+        lambda: jdp.make_train_step(
+            models.mlp_loss, strategy=jdp.strategies.data_parallel(accumulate_steps=4)
+        ),
         lambda i: models.regression_batch(32, seed=i),
         {},
     ),

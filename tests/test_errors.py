@@ -77,20 +77,20 @@ def test_accumulate_steps_must_divide_the_replica_batch():
     with pytest.raises(
         ValueError, match="accumulate_steps=3 does not divide the per-replica batch of 2"
     ):
-        run(models.mlp_loss, accumulate_steps=3)
+        run(models.mlp_loss, strategy=jdp.strategies.data_parallel(accumulate_steps=3))
 
 
 @pytest.mark.parametrize("bad", [0, -2])
 def test_accumulate_steps_must_be_positive(bad):
     with pytest.raises(ValueError, match=f"accumulate_steps must be >= 1, got {bad}"):
-        jdp.make_train_step(models.mlp_loss, accumulate_steps=bad)
+        jdp.strategies.data_parallel(accumulate_steps=bad)
 
 
 def test_unknown_grad_reduce():
     with pytest.raises(
-        ValueError, match=r"unknown grad_reduce='avg'; expected one of \('mean', 'sum'\)"
+        ValueError, match=r"unknown reduce='avg'; expected one of \('mean', 'sum'\)"
     ):
-        jdp.make_train_step(models.mlp_loss, grad_reduce="avg")
+        jdp.strategies.data_parallel(reduce="avg")
 
 
 def test_precision_must_be_floating():

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jdp
-from jdp.exact import check_exact
+from jdp.testing import check_exact
 from tests import models
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -25,7 +25,9 @@ def dropout_loss(params, batch, rng):
 
 
 def exact_step(**kwargs):
-    return jdp.make_train_step(dropout_loss, has_rng=True, virtual_replicas=G, **kwargs)
+    return jdp.make_train_step(
+        dropout_loss, has_rng=True, strategy=jdp.strategies.exact(G), **kwargs
+    )
 
 
 def initial_state(**kwargs):
@@ -61,7 +63,10 @@ def test_flax_model_with_batch_norm_and_dropout_is_bitwise_equal(backend):
 
     def make():
         return jdp.make_train_step(
-            models.classifier_train_loss, has_model_state=True, has_rng=True, virtual_replicas=G
+            models.classifier_train_loss,
+            has_model_state=True,
+            has_rng=True,
+            strategy=jdp.strategies.exact(G),
         )
 
     results = check_exact(make, state, data, backend=backend)
@@ -88,7 +93,10 @@ def test_weighted_loss_and_loss_scale_skip_are_bitwise_equal(backend):
         loss_scale=jdp.DynamicLossScale(jnp.float32(2.0**10), period=3),
     )
     results = check_exact(
-        lambda: jdp.make_train_step(token_loss, virtual_replicas=G), state, data, backend=backend
+        lambda: jdp.make_train_step(token_loss, strategy=jdp.strategies.exact(G)),
+        state,
+        data,
+        backend=backend,
     )
     assert int(results[1][0].skipped_steps) == 1
     assert results[4][1]["virtual_replica_loss"].shape == (G,)
@@ -97,7 +105,7 @@ def test_weighted_loss_and_loss_scale_skip_are_bitwise_equal(backend):
 def test_exact_equals_the_ordinary_step_within_float_rounding():
     data = batches(10)
     ordinary = jdp.pmap(jdp.make_train_step(models.mlp_loss))
-    exact = jdp.pmap(jdp.make_train_step(models.mlp_loss, virtual_replicas=G))
+    exact = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(G)))
     finals = []
     for step in (ordinary, exact):
         state = step.replicate(initial_state())
@@ -137,15 +145,15 @@ def test_two_processes_of_two_devices_equal_one_of_four_bitwise(backend, tmp_pat
 
 def test_exact_mode_errors():
     with pytest.raises(ValueError, match="virtual_replicas must be a power of two .* got 6"):
-        jdp.make_train_step(models.mlp_loss, virtual_replicas=6)
-    with pytest.raises(ValueError, match="leave accumulate_steps at 1"):
-        jdp.make_train_step(models.mlp_loss, virtual_replicas=8, accumulate_steps=2)
-    with pytest.raises(ValueError, match="grad_reduce='sum' is not supported"):
-        jdp.make_train_step(models.mlp_loss, virtual_replicas=8, grad_reduce="sum")
-    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, virtual_replicas=4))
+        jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(6))
+    with pytest.raises(
+        TypeError, match="exact.. got an unexpected keyword argument 'accumulate_steps'"
+    ):
+        jdp.strategies.exact(8, accumulate_steps=2)  # exact mode has its own micro-batches
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(4)))
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
     with pytest.raises(ValueError, match="virtual_replicas=4 is not divisible by the 8 devices"):
         step(state, step.shard(models.regression_batch(32)))
-    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, virtual_replicas=16))
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(16)))
     with pytest.raises(ValueError, match="global batch of 24 examples does not split into"):
         step(state, step.shard(models.regression_batch(24)))

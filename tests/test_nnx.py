@@ -104,7 +104,7 @@ def test_batch_statistics_average_and_rng_state_stays_in_sync(backend):
 
 
 def _data(x):
-    return jax.random.key_data(x) if jdp.replication.is_prng_key(x) else x
+    return jax.random.key_data(x) if jdp._tree.is_prng_key(x) else x
 
 
 def test_nnx_state_checkpoint_round_trip(tmp_path):

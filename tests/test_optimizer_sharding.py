@@ -35,7 +35,9 @@ OPTIMIZERS = {
 
 
 def train(tx, shard, backend, n, data=DATA, loss=models.mlp_loss):
-    step = models.backend(backend, jdp.make_train_step(loss, shard_optimizer=shard), n)
+    step = models.backend(
+        backend, jdp.make_train_step(loss, strategy=jdp.strategies.zero1() if shard else None), n
+    )
     state = step.replicate(jdp.TrainState.create(params=PARAMS, tx=tx))
     for batch in data:
         state, metrics = step(state, step.shard(batch))
@@ -72,7 +74,9 @@ def test_fifty_steps_equal_the_replicated_step(name, backend):
 
 def test_the_optimizer_state_is_one_nth_per_device():
     n = 8
-    step = models.backend("pmap", jdp.make_train_step(models.mlp_loss, shard_optimizer=True), n)
+    step = models.backend(
+        "pmap", jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), n
+    )
     big = {"w": jnp.ones((1001, 997)), "b": jnp.ones(997), "s": jnp.ones(())}
     state = step.replicate(jdp.TrainState.create(params=big, tx=optax.adam(1e-3)))
     assert isinstance(state.opt_state, jdp.ShardedOptState)
@@ -111,7 +115,11 @@ def test_compiled_peak_per_device_for_a_ten_million_parameter_adam_step():
     batch = {"x": np.ones((64, sizes[0]), np.float32)}
     peaks = {}
     for shard in (False, True):
-        step = models.backend("shard_map", jdp.make_train_step(loss, shard_optimizer=shard), 8)
+        step = models.backend(
+            "shard_map",
+            jdp.make_train_step(loss, strategy=jdp.strategies.zero1() if shard else None),
+            8,
+        )
         state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
         m = step.lower(state, step.shard(batch)).compile().memory_analysis()
         peaks[shard] = (
@@ -126,7 +134,9 @@ def test_compiled_peak_per_device_for_a_ten_million_parameter_adam_step():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_skipped_step_leaves_the_sharded_state_bit_for_bit_unchanged(backend):
-    step = models.backend(backend, jdp.make_train_step(models.mlp_loss, shard_optimizer=True), 4)
+    step = models.backend(
+        backend, jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), 4
+    )
     state = step.replicate(
         jdp.TrainState.create(
             params=PARAMS, tx=optax.adam(1e-2), loss_scale=jdp.DynamicLossScale(2.0**15)
@@ -162,8 +172,9 @@ def test_composes_with_model_state_rng_accumulation_and_weighted_losses(backend)
                 models.classifier_train_loss,
                 has_model_state=True,
                 has_rng=True,
-                accumulate_steps=2,
-                shard_optimizer=shard,
+                strategy=(jdp.strategies.zero1 if shard else jdp.strategies.data_parallel)(
+                    accumulate_steps=2
+                ),
                 log_grad_norm=True,
             ),
             4,
@@ -198,7 +209,9 @@ def test_composes_with_model_state_rng_accumulation_and_weighted_losses(backend)
 
 
 def test_transforms_that_reduce_over_a_slice_are_refused():
-    step = models.backend("pmap", jdp.make_train_step(models.mlp_loss, shard_optimizer=True), 4)
+    step = models.backend(
+        "pmap", jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), 4
+    )
     batch = step.shard(DATA[0])
     refused = {
         "optax.clip_by_global_norm": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
@@ -223,25 +236,25 @@ def test_transforms_that_reduce_over_a_slice_are_refused():
 
 
 def test_misuse_gets_clear_errors():
-    sharded = models.backend("pmap", jdp.make_train_step(models.mlp_loss, shard_optimizer=True), 4)
+    sharded = models.backend(
+        "pmap", jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), 4
+    )
     plain = models.backend("pmap", jdp.make_train_step(models.mlp_loss), 4)
     fresh = jdp.TrainState.create(params=PARAMS, tx=optax.adam(1e-3))
     batch = DATA[0]
     with pytest.raises(TypeError, match="step.replicate"):
         sharded(jdp.replicate(fresh, models.devices(4)), sharded.shard(batch))
-    with pytest.raises(TypeError, match="split over the devices.*unreplicate"):
+    with pytest.raises(TypeError, match="placed per replica by another strategy.*unreplicate"):
         plain(sharded.replicate(fresh), plain.shard(batch))
     with pytest.raises(ValueError, match="already split"):
         sharded.replicate(sharded.replicate(fresh))
-    other = models.backend("pmap", jdp.make_train_step(models.mlp_loss, shard_optimizer=True), 2)
+    other = models.backend(
+        "pmap", jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), 2
+    )
     with pytest.raises(
         ValueError, match=r"replicated for 4 devices .* step.replicate\(step.unreplicate"
     ):
         other(sharded.replicate(fresh), other.shard(batch))
-    with pytest.raises(ValueError, match="exact mode"):
-        jdp.make_train_step(models.mlp_loss, shard_optimizer=True, virtual_replicas=8)
-    with pytest.raises(TypeError, match="shard_optimizer must be a bool"):
-        jdp.make_train_step(models.mlp_loss, shard_optimizer="yes")
     # Replicas of the rest of the state are in sync; the split rows are skipped.
     jdp.assert_replicas_in_sync(sharded.replicate(fresh))
 
@@ -252,7 +265,11 @@ def test_checkpoints_hold_the_whole_state_and_cross_layouts_and_device_counts(tm
 
     def make(shard, backend, n):
         return models.backend(
-            backend, jdp.make_train_step(models.mlp_loss, shard_optimizer=shard), n
+            backend,
+            jdp.make_train_step(
+                models.mlp_loss, strategy=jdp.strategies.zero1() if shard else None
+            ),
+            n,
         )
 
     first = make(True, "pmap", 8)

@@ -76,7 +76,9 @@ def test_sum_reduction_is_n_times_the_mean(backend):
     state = jdp.TrainState.create(params=params, tx=optax.sgd(1.0))
     out = {}
     for reduce in ("mean", "sum"):
-        step = jdp.make_train_step(models.mlp_loss, grad_reduce=reduce)
+        step = jdp.make_train_step(
+            models.mlp_loss, strategy=jdp.strategies.data_parallel(reduce=reduce)
+        )
         out[reduce], _ = train_parallel(step, state, [batch], backend, n)
     # With SGD(lr=1) the update is minus the aggregated gradient.
     delta = {r: jax.tree.map(jnp.subtract, params, out[r].params) for r in out}
@@ -97,7 +99,13 @@ def test_accumulation_equals_one_big_step(backend):
     state = jdp.TrainState.create(params=params, tx=tx)
     one, _ = train_parallel(jdp.make_train_step(models.mlp_loss), state, data, backend, 8)
     four, _ = train_parallel(
-        jdp.make_train_step(models.mlp_loss, accumulate_steps=4), state, data, backend, 8
+        jdp.make_train_step(
+            models.mlp_loss, strategy=jdp.strategies.data_parallel(accumulate_steps=4)
+        ),
+        state,
+        data,
+        backend,
+        8,
     )
     models.assert_trees_close(four.params, one.params, rtol=1e-5, atol=1e-7)
 

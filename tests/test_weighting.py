@@ -69,7 +69,9 @@ def test_token_loss_equals_single_device_token_mean(n, accumulate, backend):
     data = [token_batch(10 + i) for i in range(STEPS)]
     expected, _ = models.train_single_device(global_token_mean, token_params(), tx, data)
     state = jdp.TrainState.create(params=token_params(), tx=tx)
-    step = jdp.make_train_step(token_loss, accumulate_steps=accumulate)
+    step = jdp.make_train_step(
+        token_loss, strategy=jdp.strategies.data_parallel(accumulate_steps=accumulate)
+    )
     final, metrics = run(step, state, data, backend, n)
     models.assert_trees_close(final.params, expected, rtol=1e-5, atol=1e-7)
     # The global loss from the per-replica metrics, weighted by the step's own
@@ -108,7 +110,9 @@ def test_weightless_replica_with_nan_contributes_nothing(backend):
     clean = [jax.tree.map(lambda v: v[4:], batch) for batch in data]
     expected, _ = models.train_single_device(global_token_mean, token_params(), tx, clean)
     for accumulate in (1, 2):
-        step = jdp.make_train_step(token_loss, accumulate_steps=accumulate)
+        step = jdp.make_train_step(
+            token_loss, strategy=jdp.strategies.data_parallel(accumulate_steps=accumulate)
+        )
         final, metrics = run(
             step, jdp.TrainState.create(params=token_params(), tx=tx), poisoned, backend, 8
         )
@@ -130,7 +134,13 @@ def test_sum_reduction_sums_per_replica_weighted_means(backend):
     batch = token_batch(7)
     params = token_params()
     state = jdp.TrainState.create(params=params, tx=optax.sgd(1.0))
-    final, _ = run(jdp.make_train_step(token_loss, grad_reduce="sum"), state, [batch], backend, 8)
+    final, _ = run(
+        jdp.make_train_step(token_loss, strategy=jdp.strategies.data_parallel(reduce="sum")),
+        state,
+        [batch],
+        backend,
+        8,
+    )
     shards = [jax.tree.map(lambda x, i=i: x[i * 4 : (i + 1) * 4], batch) for i in range(8)]
     grads = [jax.grad(global_token_mean)(params, s) if s["mask"].any() else None for s in shards]
     summed = jax.tree.map(lambda *g: sum(g), *[g for g in grads if g is not None])
@@ -156,7 +166,9 @@ def test_per_example_mask_and_weighted_aux(accumulate, backend):
     tx = optax.adam(1e-2)
     expected, _ = models.train_single_device(reference, models.mlp_params(), tx, data)
     state = jdp.TrainState.create(params=models.mlp_params(), tx=tx)
-    step = jdp.make_train_step(loss_fn, has_aux=True, accumulate_steps=accumulate)
+    step = jdp.make_train_step(
+        loss_fn, has_aux=True, strategy=jdp.strategies.data_parallel(accumulate_steps=accumulate)
+    )
     final, metrics = run(step, state, data, backend, 8)
     models.assert_trees_close(final.params, expected, rtol=1e-5, atol=1e-7)
     # aux averaged over micro-batches with the loss's weights.

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdp import pytree
-from jdp.types import PyTree
+from jdp import _tree as pytree
+from jdp._tree import PyTree
 
 
 @pytree.dataclass

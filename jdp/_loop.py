@@ -14,14 +14,13 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jdp.checkpoint import Checkpointer
-from jdp.data import prefetch_to_device
-from jdp.evaluation import evaluate
-from jdp.replication import gather_replicas, unreplicate
-from jdp.types import PyTree
-
-# Metrics that are the same on every replica: never weighted ("weight" is summed).
-UNWEIGHTED = ("grads_finite", "loss_scale", "skipped_steps", "grad_norm", "learning_rate")
+from jdp._checkpoint import Checkpointer
+from jdp._data import prefetch_to_device
+from jdp._evaluation import evaluate
+from jdp._metrics import REPLICA_INVARIANT
+from jdp._replication import gather_replicas, unreplicate
+from jdp._steps import EvalStep
+from jdp._tree import PyTree
 
 
 @dataclasses.dataclass
@@ -144,7 +143,7 @@ def _due(step: int, num_steps: int, every: int | None) -> bool:
 def _check_fit_args(
     train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
 ) -> None:
-    if not getattr(getattr(train_step, "step", None), "returns_state", True):
+    if isinstance(getattr(train_step, "step", None), EvalStep):
         raise TypeError(
             "fit: train_step is an evaluation step (jdp.make_eval_step); pass a wrapped "
             "jdp.make_train_step as train_step and the evaluation step as eval_step."
@@ -290,7 +289,7 @@ def _global_metrics(metrics: dict) -> dict[str, Any]:
         value = np.asarray(value, np.float64)
         if name == "weight":
             row[name] = float(value.sum())
-        elif weight is None or name in UNWEIGHTED or value.shape != weight.shape:
+        elif weight is None or name in REPLICA_INVARIANT or value.shape != weight.shape:
             row[name] = float(value.mean())
         else:
             total = weight.sum()

@@ -9,35 +9,10 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp import optimizer_sharding
-from jdp.distributed import check_initialized
-from jdp.sharding import AXIS_NAME, leaves_with_paths, local_mesh
-from jdp.types import PyTree
-
-
-def is_prng_key(x) -> bool:
-    """True for a typed PRNG key array (``jax.random.key``)."""
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def from_process0(tree: PyTree) -> PyTree:
-    """Process 0's values on every process (a collective when there are several).
-
-    The multi-process parameter sync of Caffe2's MPI broadcast; a no-op in a
-    single process.
-    """
-    check_initialized()
-    if jax.process_count() == 1:
-        return tree
-    data = jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
-    data = multihost_utils.broadcast_one_to_all(data)
-    return jax.tree.map(
-        lambda x, d: (
-            jax.random.wrap_key_data(d, impl=jax.random.key_impl(x)) if is_prng_key(x) else d
-        ),
-        tree,
-        data,
-    )
+from jdp import _layout
+from jdp._batching import AXIS_NAME, leaves_with_paths, local_mesh
+from jdp._tree import PyTree, is_prng_key
+from jdp.distributed import from_process0
 
 
 def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
@@ -107,6 +82,20 @@ def _copy_to_every_device(x, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, copies)
 
 
+def place_rows(rows: np.ndarray, sharding: NamedSharding, row_of) -> jax.Array:
+    """Host rows ``(n, ...)`` as one device array: each device gets row ``row_of(device)``.
+
+    The layout of values a strategy places per replica (``sharding`` splits
+    the leading axis); with several processes each places its own devices' rows.
+    """
+    arrays = [
+        jax.device_put(rows[row_of(d)][None], d, may_alias=False)
+        for d in sharding.addressable_devices
+    ]
+    shape = (sharding.mesh.size,) + rows.shape[1:]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 def unreplicate(tree: PyTree) -> PyTree:
     """Returns replica 0 of a replicated pytree, without a global gather.
 
@@ -120,16 +109,8 @@ def unreplicate(tree: PyTree) -> PyTree:
       (3,)
     """
     _check_replicated(tree, "unreplicate")
-    # A sharded optimizer state (shard_optimizer=True) comes back whole.
-    return jax.tree.map(
-        lambda x: (
-            optimizer_sharding.whole(x, _replica0)
-            if optimizer_sharding.is_sharded_state(x)
-            else _replica0(x)
-        ),
-        tree,
-        is_leaf=optimizer_sharding.is_sharded_state,
-    )
+    # State a strategy placed per replica (e.g. a split optimizer state) comes back whole.
+    return _layout.logical(tree, _replica0)
 
 
 def _check_replicated(tree: PyTree, what: str) -> None:
@@ -255,8 +236,9 @@ def _pbroadcast(x, axis_name, source):
 def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
     """Raises if any replica of any leaf differs from replica 0 by more than ``atol``.
 
-    NaNs in the same places count as equal. The rows of an optimizer state
-    split by a ``shard_optimizer=True`` step differ by design and are skipped.
+    NaNs in the same places count as equal. State that a strategy places per
+    replica (the optimizer state rows of :func:`jdp.strategies.zero1`) differs
+    by design and is skipped.
 
     With several processes, each process's replicas are also compared with
     process 0's (a collective: every process must call it).
@@ -270,7 +252,7 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
       >>> jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}))
     """
     several = jax.process_count() > 1
-    tree = optimizer_sharding.without_split_leaves(tree)
+    tree = _layout.shared(tree)
     _check_replicated(tree, "assert_replicas_in_sync")
     for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
         replicas = _replicas(leaf)

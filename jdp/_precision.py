@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.types import PyTree
+from jdp._tree import PyTree
 
 BatchSelector = Collection[str] | Callable[[str, jax.Array], bool]
 

@@ -9,11 +9,20 @@ validation in ``__post_init__`` must only ever see values a user passed.
 
 import copy
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import jax
 
+PyTree: TypeAlias = Any
+"""Any nested structure of lists, tuples, dicts, dataclasses and arrays."""
+
 _T = TypeVar("_T")
+
+
+def is_prng_key(x: object) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def static_field(**kwargs: Any) -> Any:

@@ -9,10 +9,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp._batching import batch_size as leading_size
+from jdp._batching import shard
+from jdp._tree import PyTree
 from jdp.distributed import check_initialized
-from jdp.sharding import batch_size as leading_size
-from jdp.sharding import shard
-from jdp.types import PyTree
 
 REMAINDERS = ("drop", "pad")
 

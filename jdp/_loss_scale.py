@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdp import pytree
-from jdp.types import PyTree
+from jdp import _tree as pytree
+from jdp._tree import PyTree
 
 
 def all_finite(tree: PyTree) -> jax.Array:

@@ -8,10 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp.replication import unreplicate
-from jdp.sharding import AXIS_NAME, batch_size
-from jdp.types import PyTree
-from jdp.weighting import WeightedLoss, weighted_mean
+from jdp._backends import Runner
+from jdp._batching import AXIS_NAME, batch_size
+from jdp._replication import unreplicate
+from jdp._steps import EvalStep, TrainStep
+from jdp._tree import PyTree
+from jdp._weighting import WeightedLoss, weighted_mean
 
 
 def make_eval_step(
@@ -19,7 +21,7 @@ def make_eval_step(
     *,
     axis_name: str = AXIS_NAME,
     has_model_state: bool = False,
-):
+) -> EvalStep:
     """Builds a per-replica ``(state, batch) -> sums`` for evaluation.
 
     ``metric_fn(params, batch)`` (with ``model_state=`` when
@@ -54,12 +56,12 @@ def make_eval_step(
             sums[name] = (v.total.astype(jnp.float32), v.weight.astype(jnp.float32))
         return lax.psum(sums, axis_name)
 
-    eval_step.axis_name = axis_name
-    eval_step.returns_state = False
-    return eval_step
+    return EvalStep(eval_step, axis_name)
 
 
-def evaluate(wrapped_eval_step, state: PyTree, batches: Iterable[PyTree]) -> dict[str, Any]:
+def evaluate(
+    wrapped_eval_step: "Runner", state: PyTree, batches: Iterable[PyTree]
+) -> dict[str, Any]:
     """Runs a wrapped eval step over host ``batches``; returns exact means.
 
     The state is only read: it stays valid for further training.
@@ -81,11 +83,17 @@ def evaluate(wrapped_eval_step, state: PyTree, batches: Iterable[PyTree]) -> dic
       TypeError: the step is not an evaluation step.
       ValueError: the batches held nothing of positive weight.
     """
-    if getattr(getattr(wrapped_eval_step, "step", None), "returns_state", True):
+    inner = getattr(wrapped_eval_step, "step", None)
+    if not isinstance(inner, EvalStep):
+        what = (
+            "a training step (a plain function runs as one: keep an evaluation wrapper's "
+            "settings with @jdp.wraps(eval_step)); running it would train on the evaluation data"
+            if isinstance(inner, TrainStep)
+            else "no jdp step"
+        )
         raise TypeError(
             "evaluate needs a wrapped evaluation step, jdp.pmap(jdp.make_eval_step(metric_fn)) "
-            f"(or jdp.shard_map), got {type(wrapped_eval_step).__name__} wrapping a training "
-            "step; running it would train on the evaluation data."
+            f"(or jdp.shard_map), got {type(wrapped_eval_step).__name__} wrapping {what}."
         )
     outs = []
     for batch in batches:

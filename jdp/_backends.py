@@ -12,31 +12,48 @@ backend by changing one line::
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp import optimizer_sharding
-from jdp.devices import warn_if_cpu_pool_unsafe
-from jdp.distributed import check_initialized
-from jdp.replication import replicate, replicate_across, unreplicate
-from jdp.sharding import (
+from jdp._batching import (
     AXIS_NAME,
     divisible_batch_size,
     leaves_with_paths,
     local_mesh,
     shard_blocks,
 )
-from jdp.state import TrainState
-from jdp.types import PyTree
+from jdp._devices import warn_if_cpu_pool_unsafe
+from jdp._replication import place_rows, replicate, replicate_across, unreplicate
+from jdp._state import TrainState
+from jdp._steps import EvalStep, PerReplicaStep, TrainStep, as_step
+from jdp._tree import PyTree
+from jdp.distributed import check_initialized
+from jdp.strategies import Placement
 
-Step = Callable[[PyTree, PyTree], tuple[PyTree, PyTree]]
+Step = TrainStep | EvalStep | Callable[[Any, PyTree], Any]
 
 
-def _donation(step: Step, donate_state: bool | None, backend: str) -> tuple[int, ...]:
+class Runner(Protocol):
+    """A step wrapped by a backend: what :func:`jdp.fit` and :func:`jdp.evaluate` use."""
+
+    step: PerReplicaStep
+
+    def __call__(self, state: PyTree, batch: PyTree) -> Any: ...
+
+    def replicate(self, tree: PyTree) -> PyTree: ...
+
+    def unreplicate(self, tree: PyTree) -> PyTree: ...
+
+    def shard(self, batch: PyTree) -> PyTree: ...
+
+
+def _donation(step: PerReplicaStep, donate_state: bool | None, backend: str) -> tuple[int, ...]:
     """``donate_argnums``: the state, for steps that return a new one."""
-    returns_state = getattr(step, "returns_state", True)
+    returns_state = step.returns_state
     if donate_state is None:
         donate_state = returns_state
     if donate_state and not returns_state:
@@ -47,9 +64,9 @@ def _donation(step: Step, donate_state: bool | None, backend: str) -> tuple[int,
     return (0,) if donate_state else ()
 
 
-def _check_axis_name(step: Step, axis_name: str, backend: str) -> None:
-    step_axis = getattr(step, "axis_name", axis_name)
-    if step_axis != axis_name:
+def _check_axis_name(step: PerReplicaStep, axis_name: str, backend: str) -> None:
+    if step.axis_name != axis_name:
+        step_axis = step.axis_name
         raise ValueError(
             f"The step was built with axis_name={step_axis!r} but jdp.{backend} "
             f"binds axis_name={axis_name!r}; pass the same name to both."
@@ -64,10 +81,18 @@ class PmapStep:
     is faster there than ``jax.pmap``.
     """
 
-    def __init__(self, step: Step, *, axis_name: str, donate_state: bool | None, devices):
+    def __init__(
+        self,
+        step: Step,
+        *,
+        axis_name: str,
+        donate_state: bool | None,
+        devices: Sequence[jax.Device] | None,
+    ):
+        step = as_step(step, "pmap", axis_name)
         _check_axis_name(step, axis_name, "pmap")
         check_initialized()
-        self.step = step
+        self.step: PerReplicaStep = step
         # devices=None maps over every process's devices; each process feeds
         # and receives arrays over its local ones.
         self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -101,18 +126,19 @@ class PmapStep:
     def replicate(self, tree: PyTree) -> PyTree:
         """One copy per device with a leading device axis (see :func:`jdp.replicate`).
 
-        For a ``shard_optimizer=True`` step, a TrainState's optimizer state is
-        split instead: row i of each sharded leaf on device i.
+        A TrainState is placed as the step's strategy says (e.g. zero1 splits
+        the optimizer state: row i of each split leaf on device i).
         """
-        if not (_shards_optimizer(self.step) and isinstance(tree, TrainState)):
-            return replicate(tree, self.devices)
         if self._all_devices:  # pmap over every process's devices: the axis index is global
             n, row_of = jax.device_count(), jax.devices().index
         else:
             n, row_of = len(self.devices), self.devices.index
-        return optimizer_sharding.place(
-            tree, n, lambda t: replicate(t, self.devices), self._batch_sharding, row_of
+        placement = Placement(
+            partial(replicate, devices=self.devices),
+            partial(place_rows, sharding=self._batch_sharding, row_of=row_of),
+            n,
         )
+        return self.step.place(tree, placement)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """Replica 0's values, a split optimizer state whole (see :func:`jdp.unreplicate`)."""
@@ -133,9 +159,10 @@ class ShardMapStep:
     """
 
     def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool | None):
+        step = as_step(step, "shard_map", axis_name)
         _check_axis_name(step, axis_name, "shard_map")
         check_initialized()
-        self.step = step
+        self.step: PerReplicaStep = step
         if mesh is None:
             mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
         if mesh.axis_names != (axis_name,):
@@ -173,31 +200,35 @@ class ShardMapStep:
         return self._fn_for(state).lower(state, batch)
 
     def _fn_for(self, state: PyTree):
-        """The jitted step for this state's layout (a split optimizer state has its own)."""
-        sharded = getattr(state, "opt_state", None)
-        key = sharded.logical_shapes if optimizer_sharding.is_sharded_state(sharded) else None
-        if key not in self._fns:
-            self._fns[key] = self._build(state if key is not None else None)
-        return self._fns[key]
+        """The jitted step for this state's structure (and so its layout), built once."""
+        key = jax.tree.structure(state)
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._build(state)
+        return fn
 
-    def _build(self, sharded_state: PyTree | None):
+    def _build(self, state_template: PyTree):
         step, axis_name = self.step, self.axis_name
-        returns_state = getattr(step, "returns_state", True)
-        state_spec = PartitionSpec()
-        if sharded_state is not None:
-            state_spec = optimizer_sharding.map_shards(
-                jax.tree.map(lambda _: PartitionSpec(), sharded_state),
-                lambda _: PartitionSpec(axis_name),
-            )
+        returns_state = step.returns_state
+        # The layout is read from the placed state: leaves split along the data
+        # axis (values a strategy placed per replica) arrive as this device's row.
+        leaves, treedef = jax.tree.flatten(state_template)
+        rows = [_split_on(x, self.mesh, axis_name) for x in leaves]
+        state_spec = treedef.unflatten(
+            [PartitionSpec(axis_name) if r else PartitionSpec() for r in rows]
+        )
 
         def per_replica(state, batch):
-            # A split optimizer leaf arrives as this device's (1, ...) row.
-            state = optimizer_sharding.map_shards(state, lambda x: x[0])
+            local = treedef.flatten_up_to(state)
+            state = treedef.unflatten([x[0] if r else x for x, r in zip(local, rows, strict=True)])
             out = step(state, batch)
             if not returns_state:  # evaluation: per-replica outputs only
                 return jax.tree.map(lambda m: m[None], out)
             state, metrics = out
-            state = optimizer_sharding.map_shards(state, lambda x: x[None])
+            local = treedef.flatten_up_to(state)
+            state = treedef.unflatten(
+                [x[None] if r else x for x, r in zip(local, rows, strict=True)]
+            )
             return state, jax.tree.map(lambda m: m[None], metrics)
 
         # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
@@ -215,20 +246,17 @@ class ShardMapStep:
     def replicate(self, tree: PyTree) -> PyTree:
         """One global copy of ``tree``, replicated across the mesh (never aliased).
 
-        For a ``shard_optimizer=True`` step, a TrainState's optimizer state is
-        split instead: sharded leaves are ``(n, ...)`` arrays, row i on the
-        mesh's device i.
+        A TrainState is placed as the step's strategy says (e.g. zero1 splits
+        the optimizer state: split leaves are ``(n, ...)`` arrays, row i on the
+        mesh's device i).
         """
-        if not (_shards_optimizer(self.step) and isinstance(tree, TrainState)):
-            return replicate_across(tree, self.mesh)
         devices = list(self.mesh.devices.flat)
-        return optimizer_sharding.place(
-            tree,
+        placement = Placement(
+            partial(replicate_across, mesh=self.mesh),
+            partial(place_rows, sharding=self._sharded, row_of=devices.index),
             self.mesh.size,
-            lambda t: replicate_across(t, self.mesh),
-            self._sharded,
-            devices.index,
         )
+        return self.step.place(tree, placement)
 
     def unreplicate(self, tree: PyTree) -> PyTree:
         """The local copy of replicated state, a split optimizer state whole."""
@@ -337,8 +365,15 @@ def _one_device(
     return jax.jit(mapped, donate_argnums=donate, out_shardings=layout)
 
 
-def _shards_optimizer(step: Step) -> bool:
-    return bool(getattr(step, "shard_optimizer", False))
+def _split_on(x: object, mesh: Mesh, axis_name: str) -> bool:
+    """A leaf placed with its leading axis split over the data axis of ``mesh``."""
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(x.sharding, NamedSharding)
+        and x.sharding.mesh == mesh
+        and len(x.sharding.spec) >= 1
+        and x.sharding.spec[0] == axis_name
+    )
 
 
 def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str):

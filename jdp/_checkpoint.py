@@ -14,6 +14,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -22,10 +23,10 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp import optimizer_sharding
-from jdp.replication import is_prng_key, replicate, replicate_across, unreplicate
-from jdp.state import TrainState
-from jdp.types import PyTree
+from jdp import _layout, distributed
+from jdp._replication import replicate, replicate_across, unreplicate
+from jdp._state import TrainState
+from jdp._tree import PyTree, is_prng_key
 
 FORMAT_VERSION = 1
 # What a damaged or unreadable checkpoint raises (JSON and tensorstore errors
@@ -259,6 +260,9 @@ def finish_pending_saves(timeout: float) -> None:
     thread.join(timeout)
 
 
+distributed.before_fatal_exit(finish_pending_saves)
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
     """Orbax logs every failed read at ERROR; jdp reports one warning instead."""
@@ -317,20 +321,12 @@ def _global_copy(tree: PyTree) -> PyTree:
 
 
 def _whole(tree: PyTree) -> PyTree:
-    """A split optimizer state (shard_optimizer=True) in its logical layout, on the host.
+    """State a strategy placed per replica (a split optimizer state) in its logical layout.
 
     Checkpoints hold the layout ``tx.init(params)`` returns, so a run restores
-    into either layout and onto any device count.
+    into any strategy's layout and onto any device count.
     """
-    return jax.tree.map(
-        lambda x: (
-            optimizer_sharding.whole(x, lambda leaf: leaf)
-            if optimizer_sharding.is_sharded_state(x)
-            else x
-        ),
-        tree,
-        is_leaf=optimizer_sharding.is_sharded_state,
-    )
+    return _layout.logical(tree, lambda leaf: leaf)
 
 
 def _first_sharding(tree: PyTree) -> NamedSharding | None:
@@ -346,29 +342,15 @@ def _one_copy(tree: PyTree) -> PyTree:
 
 
 def _placement_like(template: PyTree) -> Callable[[PyTree], PyTree]:
-    split = getattr(template, "opt_state", None)
-    if optimizer_sharding.is_sharded_state(split):
-        return _split_placement(template, split)
-    sharding = _first_sharding(template)
+    """Places a restored (logical, one-copy) tree the way ``template`` is placed."""
+    sharding = _first_sharding(_layout.shared(template))
     if sharding is None:
-        return replicate
-    if all(axis is None for axis in sharding.spec):
-        return lambda tree: replicate_across(tree, sharding.mesh)
-    devices = list(sharding.mesh.devices.flat)
-    return lambda tree: replicate(tree, devices)
-
-
-def _split_placement(template: PyTree, split) -> Callable[[PyTree], PyTree]:
-    """Places a whole state like ``template``: optimizer state split, the rest replicated."""
-    leaves = jax.tree.leaves(split.shards)
-    row = next(x for x, shape in zip(leaves, split.logical_shapes, strict=True) if shape)
-    sharding = row.sharding
-    devices = list(sharding.mesh.devices.flat)
-    base = _placement_like(template.replace(opt_state=None))
-    # The mesh is the whole data axis, or (pmap over several processes) this
-    # process's part of it, where a device's row is its global index.
-    row_of = devices.index if sharding.mesh.size == split.num_shards else jax.devices().index
-    return lambda tree: optimizer_sharding.place(tree, split.num_shards, base, sharding, row_of)
+        base = replicate
+    elif all(axis is None for axis in sharding.spec):
+        base = partial(replicate_across, mesh=sharding.mesh)
+    else:
+        base = partial(replicate, devices=list(sharding.mesh.devices.flat))
+    return lambda tree: _layout.place_like(template, tree, base)
 
 
 def _part(key) -> str:

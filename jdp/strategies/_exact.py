@@ -1,6 +1,6 @@
 """Exact mode: the same bits on any number of devices.
 
-``make_train_step(..., virtual_replicas=G)`` splits the global batch into G
+``make_train_step(..., strategy=jdp.strategies.exact(G))`` splits the global batch into G
 micro-batches ("virtual replicas") of B/G examples. Each device computes the
 gradients of its G/n virtual replicas one at a time, and every sum over
 virtual replicas follows one fixed binary tree over the G indices. Every
@@ -8,7 +8,7 @@ floating-point operation and its order is then independent of the device
 count n, so params, optimizer state and metrics are bitwise equal for any n
 that divides G, on one process or several.
 
-What makes it hold on XLA (each measured in the feasibility study, #14):
+What makes it hold on XLA (each measured on XLA:CPU, JAX 0.10):
 micro-batches run one at a time in a ``lax.scan`` (batching them with ``vmap``
 changes a matmul's rounding); no arithmetic collective is used (``psum``
 reduces in an n-dependent order): devices exchange partial sums with
@@ -16,48 +16,63 @@ reduces in an n-dependent order): devices exchange partial sums with
 module; the program after the last collective is the same for every n.
 """
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
-
 import jax
 import jax.numpy as jnp
-import numpy as np
+import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
-from jdp.types import PyTree
-from jdp.weighting import safe_divide
+from jdp._forward import Forward
+from jdp._state import TrainState
+from jdp._tree import PyTree
+from jdp._update import apply_gradients
+from jdp._weighting import safe_divide
+from jdp.strategies._base import Reduced, Strategy, refuse_per_replica, replicate_state
 
 
-class Reduced(NamedTuple):
-    """The global result of one exact step, identical on every device."""
+def exact(virtual_replicas: int) -> Strategy:
+    """Exact mode: bitwise the same result on any number of devices and processes.
 
-    grads: PyTree  # the gradient of the global objective (still loss-scaled)
-    loss: jax.Array
-    weight: jax.Array | None  # this device's share of the weight, for a WeightedLoss
-    model_state: PyTree
-    aux: dict[str, jax.Array]
-    virtual_replica_loss: jax.Array  # (G,): each virtual replica's own (weighted) mean loss
+    The global batch is split into ``virtual_replicas`` micro-batches (a power
+    of two that the device count divides) whose gradients are summed in one
+    fixed order (``docs/exact.md``). Metrics are the global values, identical
+    on every device, plus ``virtual_replica_loss``: each virtual replica's own
+    loss, shape (G,). It takes no ``accumulate_steps`` (the virtual replicas
+    are the micro-batches) and no ``reduce`` (it gives the exact global mean).
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> step = jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2),
+      ...                            strategy=jdp.strategies.exact(8))
+      >>> step.strategy.name
+      'exact'
+    """
+    check_virtual_replicas(virtual_replicas)
+
+    def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
+        return exact_gradients(forward, state, batch, rng, virtual_replicas, axis_name)
+
+    def update(state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str):
+        del axis_name
+        refuse_per_replica(state, "exact")
+        return apply_gradients(state, grads, model_state=model_state)
+
+    def global_norm(grads: PyTree, params: PyTree, axis_name: str) -> jax.Array:
+        del params, axis_name
+        return optax.tree.norm(grads)
+
+    return Strategy("exact", gradients, update, global_norm, replicate_state)
 
 
-def check_virtual_replicas(virtual_replicas: int, accumulate_steps: int, grad_reduce: str) -> None:
-    """Validates ``virtual_replicas`` when the step is built."""
+def check_virtual_replicas(virtual_replicas: object) -> None:
+    """Validates ``virtual_replicas`` when the strategy is built."""
     g = virtual_replicas
     if isinstance(g, bool) or not isinstance(g, int) or g < 1 or g & (g - 1):
         raise ValueError(
-            f"make_train_step: virtual_replicas must be a power of two (1, 2, 4, 8, ...), got "
-            f"{g!r}: the fixed reduction tree pairs virtual replicas level by level, and "
+            f"jdp.strategies.exact: virtual_replicas must be a power of two (1, 2, 4, 8, ...), "
+            f"got {g!r}: the fixed reduction tree pairs virtual replicas level by level, and "
             "only power-of-two blocks line up with it for every device count."
-        )
-    if accumulate_steps != 1:
-        raise ValueError(
-            "make_train_step: virtual_replicas already splits the batch into micro-batches; "
-            f"leave accumulate_steps at 1 (got {accumulate_steps})."
-        )
-    if grad_reduce != "mean":
-        raise ValueError(
-            "make_train_step: virtual_replicas gives the exact global mean; "
-            f"grad_reduce={grad_reduce!r} is not supported with it."
         )
 
 
@@ -90,7 +105,14 @@ def exact_sum(x: jax.Array, axis_name: str, n: int) -> jax.Array:
     return whole[: x.size].reshape(x.shape)
 
 
-def run(forward, state, batch: PyTree, rng, virtual_replicas: int, axis_name: str) -> Reduced:
+def exact_gradients(
+    forward: Forward,
+    state: TrainState,
+    batch: PyTree,
+    rng: jax.Array | None,
+    virtual_replicas: int,
+    axis_name: str,
+) -> Reduced:
     """This step's exact global gradient, loss, model state and aux.
 
     Args:
@@ -166,7 +188,7 @@ def run(forward, state, batch: PyTree, rng, virtual_replicas: int, axis_name: st
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
     mine = scalars["weight"] if weighted else None
-    return Reduced(grads, loss, mine, model_state, aux, every)
+    return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
 
 
 def _each_virtual_replica(fn, micro: PyTree, count: int, opaque_zero: jax.Array):
@@ -236,82 +258,3 @@ def _floating_model_state(stacked: PyTree, weights: jax.Array):
         return treedef.unflatten(out)
 
     return sums, rebuild
-
-
-def check_exact(
-    make_step: Callable[[], Callable],
-    state: PyTree,
-    batches: Sequence[PyTree],
-    *,
-    device_counts: Sequence[int] = (1, 2, 4, 8),
-    backend: str = "pmap",
-    devices: Sequence[jax.Device] | None = None,
-) -> dict[int, Any]:
-    """Runs a few steps at several device counts and checks the bits agree.
-
-    A self-check for your model, hardware and XLA version: exact mode's
-    guarantee rests on how XLA compiles the step, so check it where you run.
-
-    Args:
-      make_step: builds the per-replica step, e.g.
-        ``lambda: jdp.make_train_step(loss_fn, virtual_replicas=8)``.
-      state: the initial (unreplicated) state.
-      batches: global host batches to train on.
-      device_counts: the device counts to compare (subsets of ``devices``).
-      backend: ``"pmap"`` or ``"shard_map"``.
-      devices: default ``jax.local_devices()``.
-
-    Returns:
-      ``{n: (final state, last metrics)}`` as host values (device 0's
-      metrics, which in exact mode are the global values; ``weight``, each
-      device's own share, is left out).
-
-    Raises:
-      AssertionError: naming the first leaf (of the state or the metrics)
-        that differs between device counts, the counts and the largest
-        difference.
-    """
-    from jdp.parallel import pmap, shard_map
-
-    devices = list(devices or jax.local_devices())
-    results = {}
-    for n in device_counts:
-        if backend == "pmap":
-            step = pmap(make_step(), devices=devices[:n])
-        else:
-            step = shard_map(
-                make_step(), mesh=jax.sharding.Mesh(np.asarray(devices[:n]), ("batch",))
-            )
-        placed = step.replicate(state)
-        metrics = {}
-        for batch in batches:
-            placed, metrics = step(placed, step.shard(batch))
-        # Device 0's metrics; "weight" is each device's own share, so it is left out.
-        first = {name: m[0] for name, m in metrics.items() if name != "weight"}
-        host = jax.device_get((step.unreplicate(placed), first))
-        results[n] = host
-    reference = device_counts[0]
-    for n in device_counts[1:]:
-        _assert_bitwise(results[reference], results[n], reference, n)
-    return results
-
-
-def _assert_bitwise(a, b, n_a: int, n_b: int) -> None:
-    flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
-    flat_b = jax.tree.leaves(b)
-    for (path, x), y in zip(flat_a, flat_b, strict=True):
-        x, y = _data(x), _data(y)
-        if not np.array_equal(x, y, equal_nan=np.asarray(x).dtype.kind == "f"):
-            name = jax.tree_util.keystr(path)
-            diff = np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
-            raise AssertionError(
-                f"Exact mode broke: {name} differs between {n_a} and {n_b} devices by up to "
-                f"{diff:.3g}. The guarantee depends on how XLA compiles the step: report the "
-                "model, the JAX version and the backend."
-            )
-
-
-def _data(x):
-    if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jdp import pytree
-from jdp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
-from jdp.types import PyTree
+from jdp import _tree as pytree
+from jdp._loss_scale import DynamicLossScale, LossScale, NoOpLossScale, StaticLossScale
+from jdp._tree import PyTree
 
 
 @pytree.dataclass

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp.types import PyTree
+from jdp._tree import PyTree
 
 AXIS_NAME = "batch"
 

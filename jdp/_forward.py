@@ -1,0 +1,202 @@
+"""The loss contract: one (micro-)batch's loss, gradients, model state and aux.
+
+What a step computes before any collective: the loss function is called under
+the precision policy and the loss scale, its output is checked against the
+contract (``has_aux``, ``has_model_state``, plain or weighted loss), and its
+gradients are taken. :func:`accumulate` sums micro-batches. Strategies
+(``jdp.strategies``) decide how these contributions cross replicas.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdp._batching import AXIS_NAME, batch_size
+from jdp._metrics import RESERVED_METRICS
+from jdp._precision import Policy
+from jdp._state import TrainState
+from jdp._tree import PyTree
+from jdp._weighting import WeightedLoss, safe_divide, zero_where_weightless
+
+
+class Contribution(NamedTuple):
+    """One replica's (or micro-batch's) contribution, before any collective.
+
+    ``grads`` is the gradient of the scaled loss: of the summed ``total`` for a
+    :class:`jdp.WeightedLoss` (``weight`` its weight), of the mean loss for a
+    plain scalar (``weight`` None). ``aux`` holds the aux metrics.
+    """
+
+    grads: PyTree
+    total: jax.Array
+    weight: jax.Array | None
+    model_state: PyTree
+    aux: dict[str, jax.Array]
+
+
+Forward = Callable[[TrainState, PyTree, PyTree, PyTree, "jax.Array | None"], Contribution]
+"""``(state, params, model_state, micro_batch, rng) -> Contribution``."""
+
+
+def replica_rng(key: jax.Array, step: jax.Array, axis_name: str = AXIS_NAME) -> jax.Array:
+    """A key distinct per replica and step, deterministic in (key, step, replica).
+
+    Use inside a step, under a backend that binds ``axis_name``.
+    """
+    return jax.random.fold_in(jax.random.fold_in(key, step), lax.axis_index(axis_name))
+
+
+def make_forward(
+    loss_fn: Callable[..., Any], policy: Policy, has_aux: bool, has_model_state: bool, has_rng: bool
+) -> Forward:
+    """``(state, params, model_state, batch, rng) -> Contribution`` for one (micro-)batch."""
+
+    def forward(state, params, model_state, batch, rng) -> Contribution:
+        def scaled_loss(p):
+            extra = {}
+            if has_model_state:
+                extra["model_state"] = model_state
+            if has_rng:
+                extra["rng"] = rng
+            out = loss_fn(policy.cast_params(p), policy.cast_batch_leaves(batch), **extra)
+            loss, new_model_state, aux = _unpack(out, has_aux, has_model_state)
+            if isinstance(loss, WeightedLoss):
+                total, weight = loss.total.astype(jnp.float32), loss.weight.astype(jnp.float32)
+            else:
+                total, weight = loss.astype(jnp.float32), None
+            return state.loss_scale.scale(total), (total, weight, new_model_state, aux)
+
+        (_, (total, weight, new_model_state, aux)), grads = jax.value_and_grad(
+            scaled_loss, has_aux=True
+        )(params)
+        aux = {k: jnp.asarray(v).astype(jnp.float32) for k, v in aux.items()}
+        return Contribution(
+            zero_where_weightless(grads, weight), total, weight, new_model_state, aux
+        )
+
+    return forward
+
+
+def accumulate(
+    forward: Forward, state: TrainState, batch: PyTree, rng: jax.Array | None, steps: int
+) -> Contribution:
+    """This replica's contribution, summed over ``steps`` micro-batches.
+
+    A weighted loss sums totals, gradients and weighted aux over micro-batches
+    (a micro-batch of weight 0 leaves the model state alone); a plain loss
+    averages them.
+    """
+    params, model_state = state.params, state.model_state
+    size = batch_size(batch)
+    if size % steps:
+        raise ValueError(
+            f"accumulate_steps={steps} does not divide the per-replica "
+            f"batch of {size} examples. Use a global batch divisible by "
+            f"accumulate_steps x number of devices."
+        )
+    if steps == 1:
+        return forward(state, params, model_state, batch, rng)
+    micro = jax.tree.map(lambda x: x.reshape((steps, x.shape[0] // steps) + x.shape[1:]), batch)
+
+    def body(carry, inputs):
+        grads, total, weight, model_state, aux = carry
+        index, micro_batch = inputs
+        key = None if rng is None else jax.random.fold_in(rng, index)
+        out = forward(state, params, model_state, micro_batch, key)
+        w = jnp.float32(1.0) if out.weight is None else out.weight
+        if out.weight is not None:
+            model_state = jax.tree.map(
+                lambda new, old: jnp.where(w > 0, new, old), out.model_state, model_state
+            )
+        else:
+            model_state = out.model_state
+        aux = {k: aux[k] + zero_where_weightless(v * w, out.weight) for k, v in out.aux.items()}
+        carry = (
+            jax.tree.map(jnp.add, grads, out.grads),
+            total + zero_where_weightless(out.total, out.weight),
+            weight + w,
+            model_state,
+            aux,
+        )
+        return carry, None
+
+    first_micro = jax.tree.map(lambda x: x[0], micro)
+    first = jax.eval_shape(lambda b: forward(state, params, model_state, b, rng), first_micro)
+    init = (
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.float32(0.0),
+        jnp.float32(0.0),
+        model_state,
+        {k: jnp.zeros((), jnp.float32) for k in first.aux},
+    )
+    (grads, total, weight, model_state, aux), _ = lax.scan(body, init, (jnp.arange(steps), micro))
+    aux = {k: safe_divide(v, weight) for k, v in aux.items()}
+    if first.weight is None:
+        return Contribution(
+            jax.tree.map(lambda g: g / steps, grads), total / steps, None, model_state, aux
+        )
+    return Contribution(grads, total, weight, model_state, aux)
+
+
+def _unpack(out: Any, has_aux: bool, has_model_state: bool):
+    expected = {
+        (False, False): "loss",
+        (True, False): "(loss, aux)",
+        (False, True): "(loss, new_model_state)",
+        (True, True): "(loss, (new_model_state, aux))",
+    }[(has_aux, has_model_state)]
+    loss, model_state, aux = out, None, {}
+    try:
+        if has_aux or has_model_state:
+            loss, rest = out
+            if has_aux and has_model_state:
+                model_state, aux = rest
+            elif has_aux:
+                aux = rest
+            else:
+                model_state = rest
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"loss_fn must return {expected} (has_aux={has_aux}, "
+            f"has_model_state={has_model_state}); got {type(out).__name__}."
+        ) from None
+    _check_loss(loss)
+    if not isinstance(aux, Mapping):
+        raise TypeError(
+            f"With has_aux=True, aux must be a dict of arrays (it joins the "
+            f"metrics), got {type(aux).__name__}."
+        )
+    clash = sorted(set(aux) & set(RESERVED_METRICS))
+    if clash:
+        raise ValueError(f"aux keys {clash} are reserved for jdp's own metrics; rename them.")
+    return loss, model_state, aux
+
+
+def _check_loss(loss: Any) -> None:
+    if isinstance(loss, WeightedLoss):
+        for field in ("total", "weight"):
+            value = getattr(loss, field)
+            if not isinstance(value, jax.Array) or value.ndim != 0:
+                raise ValueError(
+                    f"WeightedLoss.{field} must be a scalar array, got shape "
+                    f"{jnp.shape(value)}; sum over the batch, e.g. jdp.weighted_mean(values, mask)."
+                )
+        if not jnp.issubdtype(loss.total.dtype, jnp.floating):
+            raise TypeError(f"WeightedLoss.total must be floating, got dtype {loss.total.dtype}.")
+        return
+    if isinstance(loss, (int, float)):
+        raise TypeError(
+            f"loss_fn returned a Python {type(loss).__name__} ({loss!r}); the loss must be "
+            "a JAX scalar computed from params (a constant has no gradient)."
+        )
+    if not isinstance(loss, jax.Array) or loss.ndim != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}. "
+            "Reduce it over the batch, e.g. jnp.mean(per_example_loss), or return "
+            "jdp.weighted_mean(per_example_loss, mask)."
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}.")

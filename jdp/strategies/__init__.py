@@ -1,0 +1,24 @@
+"""Strategies: how gradients cross replicas and where the state lives.
+
+Pass one to :func:`jdp.make_train_step` as ``strategy=``; the step, the
+backends, checkpoints and the loop work the same with each.
+"""
+
+from jdp.strategies._base import PSUM, Communication, Placement, Reduced, Strategy
+from jdp.strategies._cast import cast_communication
+from jdp.strategies._data_parallel import data_parallel
+from jdp.strategies._exact import exact
+from jdp.strategies._zero1 import ShardedOptState, zero1
+
+__all__ = [
+    "PSUM",
+    "Communication",
+    "Placement",
+    "Reduced",
+    "ShardedOptState",
+    "Strategy",
+    "cast_communication",
+    "data_parallel",
+    "exact",
+    "zero1",
+]

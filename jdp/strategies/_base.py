@@ -1,0 +1,115 @@
+"""The strategy protocol: how gradients cross replicas and where state lives.
+
+A :class:`Strategy` is a named tuple of pure functions, built by small
+constructors (``data_parallel``, ``zero1``, ``exact``) the way optax builds a
+``GradientTransformation``. It owns the four things that differ between modes:
+the gradient reduction (``gradients``), the update (``update``), the norm a
+global-norm clip must use (``global_norm``) and how a state is placed on
+devices (``place``); checkpoints and ``unreplicate`` read a placed state
+through :class:`jdp._layout.PerReplica`. The step, the backends, replication,
+checkpoints and the loop call these and know no mode.
+
+A :class:`Communication` is the pair of collectives a strategy sums gradients
+with, so gradient compression is one value passed to a constructor.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+from jax import lax
+
+from jdp import _layout
+from jdp._forward import Forward
+from jdp._state import TrainState
+from jdp._tree import PyTree
+
+
+class Reduced(NamedTuple):
+    """What a strategy's ``gradients`` returns: the step's reduced result."""
+
+    grads: PyTree  # reduced over replicas (this replica's slices, for zero1), still loss-scaled
+    loss: jax.Array  # this replica's loss (exact mode: the global loss)
+    weight: jax.Array | None  # this replica's weight, for a WeightedLoss
+    model_state: PyTree  # averaged over replicas
+    aux: dict[str, jax.Array]
+
+
+class Placement(NamedTuple):
+    """How a backend holds values on its devices, for a strategy's ``place``.
+
+    Attributes:
+      replicate: one host copy -> the backend's replicated layout.
+      rows: ``(n, ...)`` host rows -> a device array with row i held by the
+        device at index i of the data axis.
+      size: n, the devices of the data axis.
+    """
+
+    replicate: Callable[[PyTree], PyTree]
+    rows: Callable[[Any], jax.Array]
+    size: int
+
+
+GradientsFn = Callable[[Forward, TrainState, PyTree, str], Reduced]
+UpdateFn = Callable[[TrainState, PyTree, PyTree, str], tuple[TrainState, dict[str, jax.Array]]]
+NormFn = Callable[[PyTree, PyTree, str], jax.Array]
+PlaceFn = Callable[[TrainState, Placement], TrainState]
+
+
+class Strategy(NamedTuple):
+    """A way of crossing replicas: a named tuple of pure functions.
+
+    Attributes:
+      name: the constructor's name, for messages.
+      gradients: ``(forward, state, batch, axis_name) -> Reduced``: this
+        replica's forward and backward passes and the gradient reduction.
+      update: ``(state, grads, model_state, axis_name) -> (state, metrics)``:
+        applies the reduced, unscaled gradients.
+      global_norm: ``(grads, params, axis_name) -> norm`` of the reduced
+        gradients as this strategy holds them.
+      place: ``(state, placement) -> state`` on the devices.
+    """
+
+    name: str
+    gradients: GradientsFn
+    update: UpdateFn
+    global_norm: NormFn
+    place: PlaceFn
+
+
+class Communication(NamedTuple):
+    """The collectives gradients are summed with (an encode/decode seam).
+
+    Attributes:
+      all_reduce: ``(tree, axis_name) -> tree``: the sum over replicas.
+      reduce_scatter: ``(rows, axis_name) -> parts``: for each ``(n, c)``
+        array, the sum over replicas of row i on replica i, shape ``(c,)``.
+    """
+
+    all_reduce: Callable[[PyTree, str], PyTree]
+    reduce_scatter: Callable[[list[jax.Array], str], list[jax.Array]]
+
+
+def _psum_scatter(rows: list[jax.Array], axis_name: str) -> list[jax.Array]:
+    return [lax.psum_scatter(x, axis_name, scatter_dimension=0) for x in rows]
+
+
+PSUM = Communication(lambda tree, axis_name: lax.psum(tree, axis_name), _psum_scatter)
+"""Sums in the gradients' own dtype (the default)."""
+
+
+def replicate_state(state: TrainState, placement: Placement) -> TrainState:
+    """``place`` for strategies whose replicas all hold the whole state."""
+    return placement.replicate(state)
+
+
+def refuse_per_replica(state: TrainState, name: str) -> None:
+    """Refuses a state placed per replica by another strategy (e.g. zero1's split)."""
+    if _layout.has_per_replica(state):
+        raise TypeError(
+            "The state holds values placed per replica by another strategy (an optimizer "
+            f"state split by jdp.strategies.zero1()), but this step's strategy, "
+            f"jdp.strategies.{name}(), holds the whole state on every replica. Re-place it: "
+            "state = step.replicate(sharded_step.unreplicate(state)), or build this step with "
+            "the strategy that placed it."
+        )

@@ -1,0 +1,429 @@
+"""Weight-update sharding (Xu et al. 2020; ZeRO stage 1): 1/n of the optimizer per replica.
+
+``make_train_step(..., strategy=jdp.strategies.zero1())`` keeps data-parallel semantics
+but gives each replica one slice of every parameter leaf's optimizer state
+and of the update work. Each parameter leaf with at least n elements is
+flattened, zero-padded to a multiple of n and cut into n equal slices of
+shape ``(1, ..., 1, c)`` (the leaf's rank is kept, so masks such as
+``lambda p: p.ndim > 1`` still select the same leaves); smaller leaves stay
+whole on every replica. The step reduce-scatters the gradients
+(``lax.psum_scatter``), runs ``tx.update`` on its slices and all-gathers the
+new parameters, which stay replicated: the same bytes moved as one
+all-reduce.
+
+This is exact for transforms that treat every element on its own (sgd,
+momentum, Adam, AdamW, Lion, schedules, masks). A transform that reduces over
+a leaf or over the tree (global-norm clipping, adafactor's factored moments,
+LAMB/LARS trust ratios) would see only a slice: the step refuses it when it is
+first traced, naming the reduction; :func:`clip_by_global_norm` is the exact
+global-norm clip here too: the update passes it the norm over every replica's
+slices as optax's extra argument ``global_norm``.
+
+The placed optimizer state is a :class:`ShardedOptState`: leaves of shape
+``(n, 1, ..., 1, c)``, row i on device i, in both backends. Checkpoints,
+``step.unreplicate`` and ``jdp.unreplicate`` hold the logical layout, the one
+``tx.init(params)`` returns.
+"""
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jdp import _tree
+from jdp._forward import Forward
+from jdp._replication import place_rows
+from jdp._state import TrainState
+from jdp._tree import PyTree
+from jdp._update import apply_gradients
+from jdp._weighting import safe_divide, weighted_average
+from jdp.distributed import from_process0
+from jdp.strategies._base import PSUM, Communication, Placement, Reduced, Strategy
+from jdp.strategies._data_parallel import check_reduce, local_contribution
+from jdp.strategies._elementwise import check_elementwise
+
+
+def zero1(
+    *,
+    reduce: Literal["mean", "sum"] = "mean",
+    accumulate_steps: int = 1,
+    communication: Communication = PSUM,
+) -> Strategy:
+    """Weight-update sharding (ZeRO-1): each replica holds and updates 1/n of the optimizer.
+
+    Gradients are reduce-scattered, each replica runs ``tx.update`` on its
+    slices and the new parameters are all-gathered (``docs/memory.md``): the
+    same update as :func:`data_parallel` for elementwise optimizers; a
+    transform that reduces over a slice is refused when the step is first
+    traced. Place the state with the wrapped step's ``replicate``.
+
+    Args:
+      reduce: as for :func:`data_parallel`.
+      accumulate_steps: as for :func:`data_parallel`.
+      communication: the collectives gradients cross with.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jdp
+      >>> step = jdp.pmap(jdp.make_train_step(lambda p, b: jnp.mean((b @ p) ** 2),
+      ...                                     strategy=jdp.strategies.zero1()))
+      >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(16), tx=optax.adam(0.1)))
+      >>> type(state.opt_state).__name__, state.opt_state.num_shards
+      ('ShardedOptState', 8)
+    """
+    check_reduce(reduce, accumulate_steps, "jdp.strategies.zero1")
+
+    def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        local = local_contribution(forward, state, batch, axis_name, accumulate_steps)
+        grads = reduce_scatter_gradients(
+            local.grads, axis_name, reduce, local.weight, communication
+        )
+        model_state = weighted_average(local.model_state, local.weight, axis_name)
+        loss = local.total if local.weight is None else safe_divide(local.total, local.weight)
+        return Reduced(grads, loss, local.weight, model_state, local.aux)
+
+    return Strategy("zero1", gradients, apply_sharded, sharded_norm, place)
+
+
+@_tree.dataclass
+class ShardedOptState:
+    """The optimizer state of a :func:`zero1` step, 1/n per device.
+
+    A :class:`jdp._layout.PerReplica` node: ``jdp.unreplicate`` and
+    checkpoints read it in its logical layout (``tx.init(params)``), and a
+    checkpoint restores into it on any device count.
+
+    Attributes:
+      shards: ``tx.init`` of the parameter slices. Placed, a sharded leaf has
+        shape ``(n, 1, ..., 1, c)``, row i on device i; other leaves (counts,
+        the state of small parameters) are replicated like the rest of the
+        state.
+      logical_shapes: per leaf of ``shards``, the shape in ``tx.init(params)``
+        when the leaf is sharded, else None.
+      num_shards: n, the devices of the data axis.
+    """
+
+    shards: PyTree
+    logical_shapes: tuple = _tree.static_field()
+    num_shards: int = _tree.static_field()
+
+    def logical(self, read: Callable[[Any], Any]) -> PyTree:
+        """The ``tx.init(params)`` layout on the host; replicated leaves through ``read``."""
+        leaves, treedef = jax.tree.flatten(self.shards)
+        out = []
+        for x, shape in zip(leaves, self.logical_shapes, strict=True):
+            if shape is None:
+                out.append(read(x))
+                continue
+            flat = np.asarray(all_rows(x) if isinstance(x, jax.Array) else x).reshape(-1)
+            out.append(flat[: math.prod(shape)].reshape(shape))
+        return jax.tree.unflatten(treedef, out)
+
+    def shared(self) -> PyTree:
+        """The leaves every replica holds alike (split leaves left out)."""
+        leaves, treedef = jax.tree.flatten(self.shards)
+        kept = [None if shape else x for x, shape in zip(leaves, self.logical_shapes, strict=True)]
+        return jax.tree.unflatten(treedef, kept)
+
+    def place_like(self, value: PyTree, replicate: Callable[[PyTree], PyTree]) -> "ShardedOptState":
+        """A logical optimizer state split and placed as this one is."""
+        row = next(
+            x
+            for x, shape in zip(jax.tree.leaves(self.shards), self.logical_shapes, strict=True)
+            if shape
+        )
+        sharding = row.sharding
+        devices = list(sharding.mesh.devices.flat)
+        # The mesh is the whole data axis, or (pmap over several processes) this
+        # process's part of it, where a device's row is its global index.
+        row_of = devices.index if sharding.mesh.size == self.num_shards else jax.devices().index
+        placement = Placement(
+            replicate, partial(place_rows, sharding=sharding, row_of=row_of), self.num_shards
+        )
+        return _split(value, self.logical_shapes, placement)
+
+
+def is_sharded_param(shape: tuple[int, ...], n: int) -> bool:
+    """Whether a parameter leaf of this shape is split (n >= 2, rank >= 1, >= n elements)."""
+    return n >= 2 and len(shape) >= 1 and math.prod(shape) >= n
+
+
+def slice_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """One replica's slice of a split leaf: ``(1, ..., 1, ceil(size / n))``."""
+    return (1,) * (len(shape) - 1) + (-(-math.prod(shape) // n),)
+
+
+def _rows(x, n: int):
+    """``(n, c)``: the flattened leaf, zero-padded, one row per replica."""
+    flat = jnp.ravel(x)
+    chunk = -(-flat.size // n)
+    return jnp.pad(flat, (0, chunk * n - flat.size)).reshape(n, chunk)
+
+
+def param_slices(params: PyTree, index: jax.Array, n: int) -> PyTree:
+    """This replica's slice of every split leaf; small leaves whole."""
+
+    def one(x):
+        if not is_sharded_param(x.shape, n):
+            return x
+        return lax.dynamic_index_in_dim(_rows(x, n), index, keepdims=False).reshape(
+            slice_shape(x.shape, n)
+        )
+
+    return jax.tree.map(one, params)
+
+
+def slice_template(params: PyTree, n: int) -> PyTree:
+    """Shape/dtype structs of one replica's parameter slices."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            slice_shape(x.shape, n) if is_sharded_param(x.shape, n) else x.shape, x.dtype
+        ),
+        params,
+    )
+
+
+def layout(tx: optax.GradientTransformation, params: PyTree, n: int) -> tuple:
+    """``logical_shapes`` for ``tx`` on ``params`` split n ways.
+
+    Raises:
+      ValueError: the transform keeps state whose shape is not the parameter's
+        (e.g. adafactor's factored moments), which a slice cannot hold exactly.
+    """
+    logical = jax.eval_shape(tx.init, params)
+    sliced = jax.eval_shape(tx.init, slice_template(params, n))
+    if jax.tree.structure(logical) != jax.tree.structure(sliced):
+        raise ValueError(
+            "shard_optimizer=True: the optimizer's state has another structure for parameter "
+            "slices than for whole parameters, so it cannot be split exactly. Use an "
+            "elementwise optimizer (sgd, momentum, adam, adamw, lion) or shard_optimizer=False."
+        )
+    shapes = []
+    paths = jax.tree_util.tree_flatten_with_path(logical)[0]
+    for (path, whole), part in zip(paths, jax.tree.leaves(sliced), strict=True):
+        if whole.shape == part.shape:
+            shapes.append(None)
+        elif part.shape == slice_shape(whole.shape, n):
+            shapes.append(tuple(whole.shape))
+        else:
+            raise ValueError(
+                f"shard_optimizer=True: optimizer state leaf {jax.tree_util.keystr(path)} has "
+                f"shape {whole.shape} for the whole parameters but {part.shape} for a slice "
+                "(expected the slice's own shape): the transform keeps per-leaf statistics "
+                "that are not elementwise (e.g. adafactor's factored moments). Use an "
+                "elementwise optimizer or shard_optimizer=False."
+            )
+    return tuple(shapes)
+
+
+def _check_layout(opt_state: PyTree, shapes: tuple) -> None:
+    count = len(jax.tree.leaves(opt_state))
+    if count != len(shapes):
+        raise ValueError(
+            "zero1: state.opt_state does not match state.tx.init(state.params) "
+            f"({count} leaves, expected {len(shapes)}); build the state with "
+            "jdp.TrainState.create(params=..., tx=...)."
+        )
+    for x, shape in zip(jax.tree.leaves(opt_state), shapes, strict=True):
+        if shape is not None and tuple(np.shape(x)) != shape:
+            raise ValueError(
+                f"zero1: an optimizer state leaf has shape {np.shape(x)}, expected {shape} "
+                "(the logical layout of tx.init(params)). Was it placed already? Pass the "
+                "state as TrainState.create returns it."
+            )
+
+
+def _split(opt_state: PyTree, shapes: tuple, placement: Placement) -> ShardedOptState:
+    """A logical optimizer state cut into n rows per split leaf, placed."""
+    _check_layout(opt_state, shapes)
+    n = placement.size
+    leaves, treedef = jax.tree.flatten(opt_state)
+    holes = [None if shape else x for x, shape in zip(leaves, shapes, strict=True)]
+    kept = jax.tree.leaves(
+        placement.replicate(jax.tree.unflatten(treedef, holes)), is_leaf=lambda x: x is None
+    )
+    out = [
+        placement.rows(np.asarray(_rows(jnp.asarray(x), n)).reshape((n, *slice_shape(shape, n))))
+        if shape
+        else k
+        for x, k, shape in zip(leaves, kept, shapes, strict=True)
+    ]
+    return ShardedOptState(jax.tree.unflatten(treedef, out), shapes, n)
+
+
+def place(state: TrainState, placement: Placement) -> TrainState:
+    """A whole TrainState placed for a zero1 step: optimizer state split, the rest replicated.
+
+    With several processes, process 0's values are used everywhere, as by
+    ``jdp.replicate``.
+    """
+    if isinstance(state.opt_state, ShardedOptState):
+        raise ValueError(
+            "replicate: the state's optimizer state is already split over devices; pass the "
+            "whole state (step.unreplicate(state)) to place it again."
+        )
+    state = from_process0(state)
+    shapes = layout(state.tx, state.params, placement.size)
+    opt_state = _split(state.opt_state, shapes, placement)
+    return placement.replicate(state.replace(opt_state=None)).replace(opt_state=opt_state)
+
+
+def reduce_scatter_gradients(
+    grads: PyTree,
+    axis_name: str,
+    grad_reduce: str,
+    weight: jax.Array | None,
+    communication: Communication = PSUM,
+) -> PyTree:
+    """:func:`jdp.reduce_gradients`, but each replica keeps only its slices.
+
+    Split leaves are reduce-scattered; small leaves are all-reduced whole.
+    The arithmetic is reduce_gradients' own.
+    """
+    n = lax.axis_size(axis_name)
+    if weight is not None and grad_reduce == "sum":  # per-replica weighted means, summed
+        grads = jax.tree.map(lambda g: safe_divide(g, weight.astype(g.dtype)), grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    split = [is_sharded_param(x.shape, n) for x in leaves]
+    small = communication.all_reduce(
+        [x for x, s in zip(leaves, split, strict=True) if not s], axis_name
+    )
+    rows = [_rows(x, n) for x, s in zip(leaves, split, strict=True) if s]
+    parts = communication.reduce_scatter(rows, axis_name)
+    like = iter([x for x, s in zip(leaves, split, strict=True) if s])
+    scattered = iter([p.reshape(slice_shape(next(like).shape, n)) for p in parts])
+    summed = iter(small)
+    out = [next(scattered) if s else next(summed) for s in split]
+    if weight is not None and grad_reduce == "mean":
+        total = lax.psum(weight, axis_name)
+        out = [safe_divide(g, total.astype(g.dtype)) for g in out]
+    elif grad_reduce == "mean":
+        out = [g / n for g in out]  # lax.pmean's arithmetic: the sum, divided by n
+    return jax.tree.unflatten(treedef, out)
+
+
+def gather_params(slices: PyTree, like: PyTree, axis_name: str) -> PyTree:
+    """Whole parameters from every replica's slices (one ``all_gather`` per split leaf)."""
+    n = lax.axis_size(axis_name)
+
+    def one(part, whole):
+        if not is_sharded_param(whole.shape, n):
+            return part
+        flat = lax.all_gather(part.reshape(-1), axis_name, tiled=True)
+        return flat[: whole.size].reshape(whole.shape)
+
+    return jax.tree.map(one, slices, like)
+
+
+def sharded_norm(tree: PyTree, params: PyTree, axis_name: str) -> jax.Array:
+    """The global L2 norm of a tree of this replica's slices (and whole small leaves).
+
+    Each replica sums the squares of its slices; one scalar ``psum`` adds
+    them up. Leaves held whole count once.
+    """
+    n = lax.axis_size(axis_name)
+    split = [is_sharded_param(x.shape, n) for x in jax.tree.leaves(params)]
+    leaves = jax.tree.leaves(tree)
+    if len(split) != len(leaves):
+        raise ValueError(
+            "jdp.clip_by_global_norm under zero1 expects a tree shaped like the parameters "
+            f"({len(split)} leaves), got {len(leaves)}."
+        )
+    squares = [jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves]
+    parts = [q for q, s in zip(squares, split, strict=True) if s]
+    whole = [q for q, s in zip(squares, split, strict=True) if not s]
+    total = lax.psum(sum(parts, jnp.float32(0)), axis_name) + sum(whole, jnp.float32(0))
+    return jnp.sqrt(total)
+
+
+def apply_sharded(
+    state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """:func:`jdp.apply_gradients` on this replica's slices; the new params all-gathered."""
+    n = lax.axis_size(axis_name)
+    sharded = state.opt_state
+    if not isinstance(sharded, ShardedOptState):
+        raise TypeError(
+            "A jdp.strategies.zero1() step needs the optimizer state split over the devices, "
+            f"got a {type(sharded).__name__}. Place the state with the wrapped step: state = "
+            "step.replicate(jdp.TrainState.create(...)). If that step is a plain function "
+            "around the zero1 step (an EMA or metric wrapper), the backend could not see the "
+            "strategy: decorate the wrapper with @jdp.wraps(train_step)."
+        )
+    if sharded.num_shards != n:
+        raise ValueError(
+            f"The optimizer state is split {sharded.num_shards} ways but the step runs on {n} "
+            "devices. Re-place it: state = step.replicate(other_step.unreplicate(state)), or "
+            "restore a checkpoint (checkpoints hold the whole state)."
+        )
+    slices = param_slices(state.params, lax.axis_index(axis_name), n)
+    view = state.replace(params=slices, opt_state=sharded.shards)
+    norm = partial(sharded_norm, params=state.params, axis_name=axis_name)
+    tx = optax.with_extra_args_support(state.tx)
+    check_elementwise(
+        lambda g, s, p: tx.update(g, s, p, global_norm=norm), grads, sharded.shards, slices
+    )
+    new, info = apply_gradients(
+        view, grads, model_state=model_state, axis_name=axis_name, global_norm=norm
+    )
+    return new.replace(
+        params=gather_params(new.params, state.params, axis_name),
+        opt_state=ShardedOptState(new.opt_state, sharded.logical_shapes, n),
+    ), info
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """``optax.clip_by_global_norm``, exact under :func:`zero1` as well.
+
+    It reads optax's extra argument ``global_norm`` (a function of the
+    updates) when the caller passes one: a zero1 step passes the norm over
+    every replica's slices (one scalar ``psum``), so each slice is scaled by
+    the same global factor. Without it, the plain norm: what optax computes.
+
+    Args:
+      max_norm: the largest global norm the updates keep; > 0.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> tx = jdp.clip_by_global_norm(1.0)
+      >>> updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(None))
+      >>> [round(float(u), 4) for u in updates["w"]]
+      [0.6, 0.8]
+    """
+    if isinstance(max_norm, bool) or not _positive(max_norm):
+        raise ValueError(
+            f"jdp.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}; a "
+            "non-positive bound would reverse or zero every update."
+        )
+
+    def update(updates, state, params=None, *, global_norm=optax.tree.norm, **extra_args):
+        del params, extra_args
+        norm = global_norm(updates)
+        trigger = jnp.squeeze(norm < max_norm)
+        clip = lambda t: lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm)  # noqa: E731
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def all_rows(x: jax.Array) -> np.ndarray:
+    """Every replica's row of a placed sharded leaf, on the host, in axis order."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    if x.is_fully_addressable:  # the pmap layout: this process's rows
+        return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=True))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _positive(x: object) -> bool:
+    try:
+        return float(x) > 0  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
