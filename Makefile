@@ -15,9 +15,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
+# ruff, the type checker (mypy, configured in pyproject.toml) and the import
+# graph (layered, no cycles: tests/import_graph.py).
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	$(PY) tests/import_graph.py
 
 format: $(VENV)/.installed
 	$(PY) -m ruff check --fix .
@@ -31,12 +35,13 @@ test: lint
 demo: $(VENV)/.installed
 	$(PY) -m jdp.demo
 
-# The step against a hand-written one; per-device memory of the sharded
+# The step against a hand-written one; per-call cost on a tiny model; per-device memory of the sharded
 # optimizer; end to end (fit vs a hand loop, compile time and cache); then
 # PyTorch DDP when torch is installed ($(PY) -m pip install torch==2.13.0;
 # skipped otherwise).
 bench: $(VENV)/.installed
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/per_call.py
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/end_to_end.py --first-step
 	$(PY) benchmarks/torch_ddp.py

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdp import _layout, _tree
 from jdp._batching import (
     AXIS_NAME,
     divisible_batch_size,
@@ -74,11 +75,13 @@ def _check_axis_name(step: PerReplicaStep, axis_name: str, backend: str) -> None
 
 
 class PmapStep:
-    """A step run by ``jax.pmap``: state and batch carry a leading device axis.
+    """A step in the pmap layout: state and batch carry a leading device axis.
 
-    Built by :func:`jdp.pmap`. Call it as ``step(state, batch)``. On a single
-    device (one process) it runs under ``jax.jit`` with the same layout, which
-    is faster there than ``jax.pmap``.
+    Built by :func:`jdp.pmap`. Call it as ``step(state, batch)``. In one
+    process it runs as ``jax.jit`` of ``jax.shard_map`` over that layout (what
+    ``jax.pmap`` is built on, without its per-call copies of a donated state);
+    across processes it runs under ``jax.pmap``, each process feeding its own
+    devices' rows.
     """
 
     def __init__(
@@ -100,24 +103,30 @@ class PmapStep:
         self.axis_name = axis_name
         self._batch_sharding = NamedSharding(local_mesh(self.devices), PartitionSpec(AXIS_NAME))
         donate = _donation(step, donate_state, "pmap")
-        if len(self.devices) == 1 and (devices is not None or jax.process_count() == 1):
-            mesh = Mesh(np.asarray(self.devices), (axis_name,))
-            self._fn = _one_device(step, axis_name, mesh, donate, self._batch_sharding)
-        else:
+        n = len(self.devices)
+        # Checks of shapes run when the step is traced (once per input
+        # structure); jax.pmap across processes sees only per-device shapes,
+        # so there they run on every call.
+        self._per_call_checks = jax.process_count() > 1
+        if self._per_call_checks:
             self._fn = jax.pmap(
                 step,
                 axis_name=axis_name,
                 devices=None if devices is None else self.devices,
                 donate_argnums=donate,
             )
-        warn_if_cpu_pool_unsafe(len(self.devices))
+        else:
+            mesh = Mesh(np.asarray(self.devices), (axis_name,))
+            self._fn = _jit_pmap_layout(step, mesh, donate, self._batch_sharding)
+        # Reusing donated buffers crashes multi-device executions on XLA:CPU
+        # (JAX 0.10.2: segfault); one device raises, and _call explains it.
+        self._guard_donated = bool(donate) and n > 1
+        warn_if_cpu_pool_unsafe(n)
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
-        n = len(self.devices)
-        _check_state(state, n, expected_ndim=1, layout="pmap")
-        if not _leading_axes_ok(batch, lambda size: size == n):
-            _explain_leading(batch, n)
-        return _call(self._fn, state, batch, self.axis_name, "pmap")
+        if self._per_call_checks:
+            _check_pmap_inputs(state, batch, len(self.devices))
+        return _call(self._fn, state, batch, self.axis_name, "pmap", self._guard_donated)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
@@ -173,47 +182,28 @@ class ShardMapStep:
         self.mesh = mesh
         self.axis_name = axis_name
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
-
-        self._donate = _donation(step, donate_state, "shard_map")
-        self._fns: dict = {}
-        self._warned_layout = False
+        donate = _donation(step, donate_state, "shard_map")
+        self._fn = jax.jit(self._run, donate_argnums=donate)
+        self._guard_donated = bool(donate) and mesh.size > 1
         warn_if_cpu_pool_unsafe(mesh.size)
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
-        n = self.mesh.size
-        _check_state(state, n, expected_ndim=0, layout="shard_map")
-        if not _leading_axes_ok(batch, lambda size: size % n == 0):
-            divisible_batch_size(batch, n)  # raises, naming the leaf
-        if n > 1 and not self._warned_layout and _leading_axes_ok(batch, lambda s: s == n):
-            self._warned_layout = True
-            warnings.warn(
-                f"Every batch leaf has a leading axis of {n}, the device count: one example "
-                "per device, or a pmap-layout batch (n, B // n, ...) from jdp.shard? "
-                "jdp.shard_map expects the global (B, ...) batch: use step.shard(batch).",
-                UserWarning,
-                stacklevel=2,
-            )
-        return _call(self._fn_for(state), state, batch, self.axis_name, "shard_map")
+        return _call(self._fn, state, batch, self.axis_name, "shard_map", self._guard_donated)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
-        return self._fn_for(state).lower(state, batch)
+        return self._fn.lower(state, batch)
 
-    def _fn_for(self, state: PyTree):
-        """The jitted step for this state's structure (and so its layout), built once."""
-        key = jax.tree.structure(state)
-        fn = self._fns.get(key)
-        if fn is None:
-            fn = self._fns[key] = self._build(state)
-        return fn
-
-    def _build(self, state_template: PyTree):
+    def _run(self, state: PyTree, batch: PyTree) -> PyTree:
+        """Traced once per input structure: the checks, then the mapped step."""
+        n = self.mesh.size
+        _check_state(state, n, expected_ndim=0, layout="shard_map")
+        _check_global_batch(batch, n)
         step, axis_name = self.step, self.axis_name
-        returns_state = step.returns_state
-        # The layout is read from the placed state: leaves split along the data
-        # axis (values a strategy placed per replica) arrive as this device's row.
-        leaves, treedef = jax.tree.flatten(state_template)
-        rows = [_split_on(x, self.mesh, axis_name) for x in leaves]
+        # Leaves a strategy placed per replica (a split optimizer state) are
+        # split along the data axis and arrive as this device's (1, ...) row.
+        rows = _layout.per_replica_leaves(state)
+        treedef = _tree.structure(state)
         state_spec = treedef.unflatten(
             [PartitionSpec(axis_name) if r else PartitionSpec() for r in rows]
         )
@@ -222,7 +212,7 @@ class ShardMapStep:
             local = treedef.flatten_up_to(state)
             state = treedef.unflatten([x[0] if r else x for x, r in zip(local, rows, strict=True)])
             out = step(state, batch)
-            if not returns_state:  # evaluation: per-replica outputs only
+            if not step.returns_state:  # evaluation: per-replica outputs only
                 return jax.tree.map(lambda m: m[None], out)
             state, metrics = out
             local = treedef.flatten_up_to(state)
@@ -238,10 +228,10 @@ class ShardMapStep:
             per_replica,
             mesh=self.mesh,
             in_specs=(state_spec, PartitionSpec(axis_name)),
-            out_specs=(state_spec, per_replica_spec) if returns_state else per_replica_spec,
+            out_specs=(state_spec, per_replica_spec) if step.returns_state else per_replica_spec,
             check_vma=False,
         )
-        return jax.jit(mapped, donate_argnums=self._donate)
+        return mapped(state, batch)
 
     def replicate(self, tree: PyTree) -> PyTree:
         """One global copy of ``tree``, replicated across the mesh (never aliased).
@@ -344,52 +334,62 @@ def shard_map(
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
 
 
-def _one_device(
-    step: Step, axis_name: str, mesh: Mesh, donate: tuple[int, ...], layout: NamedSharding
-):
-    """The pmap layout on one device, run by ``jax.jit``: pmap costs more there.
+def _jit_pmap_layout(
+    step: PerReplicaStep, mesh: Mesh, donate: tuple[int, ...], layout: NamedSharding
+) -> Callable[[PyTree, PyTree], Any]:
+    """The pmap layout run by ``jax.jit`` + ``jax.shard_map`` in one process.
 
-    Measured (MLP bench step, one CPU device): ``jax.pmap`` 0.88-0.90x of a plain
-    jitted step (XLA copies the donated state, 18 copies per step), this path
-    0.98x. The leading device axis of size 1 stays, so states and batches move
-    between the two unchanged.
+    Measured (MLP bench step, one CPU device): ``jax.pmap`` 0.88-0.90x of a
+    plain jitted step (XLA copies the donated state, 18 copies per step),
+    this path 0.98x. Shape checks run at trace time, so a call costs what a
+    jitted call costs.
     """
+    n = mesh.size
 
     def per_replica(state, batch):
         out = step(*jax.tree.map(lambda x: x[0], (state, batch)))
         return jax.tree.map(lambda x: x[None], out)
 
-    spec = PartitionSpec(axis_name)
+    spec = PartitionSpec(mesh.axis_names[0])
     mapped = jax.shard_map(per_replica, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+
+    def run(state, batch):
+        _check_pmap_inputs(state, batch, n)
+        return mapped(state, batch)
+
     # Outputs keep jdp.replicate's sharding, so they read as the pmap layout.
-    return jax.jit(mapped, donate_argnums=donate, out_shardings=layout)
+    return jax.jit(run, donate_argnums=donate, out_shardings=layout)
 
 
-def _split_on(x: object, mesh: Mesh, axis_name: str) -> bool:
-    """A leaf placed with its leading axis split over the data axis of ``mesh``."""
-    return (
-        isinstance(x, jax.Array)
-        and isinstance(x.sharding, NamedSharding)
-        and x.sharding.mesh == mesh
-        and len(x.sharding.spec) >= 1
-        and x.sharding.spec[0] == axis_name
-    )
+def _check_pmap_inputs(state: PyTree, batch: PyTree, n: int) -> None:
+    _check_state(state, n, expected_ndim=1, layout="pmap")
+    if not _leading_axes_ok(batch, lambda size: size == n):
+        _explain_leading(batch, n)
 
 
-def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str):
-    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error."""
-    leaves = jax.tree.leaves(state)
-    # A donated buffer reused segfaults this JAX (7/7 runs); one check per leaf
-    # costs microseconds and turns that into an error.
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
-        raise RuntimeError(
-            "This state was consumed by an earlier step call: steps donate their input "
-            "state's buffers to the new state (jdp.pmap/jdp.shard_map donate_state). Use "
-            "the state the step returned (state, metrics = step(state, batch)); after "
-            "re-running a notebook cell, re-create or restore the state."
+def _check_global_batch(batch: PyTree, n: int) -> None:
+    if not _leading_axes_ok(batch, lambda size: size % n == 0):
+        divisible_batch_size(batch, n)  # raises, naming the leaf
+    if n > 1 and _leading_axes_ok(batch, lambda s: s == n):
+        warnings.warn(
+            f"Every batch leaf has a leading axis of {n}, the device count: one example "
+            "per device, or a pmap-layout batch (n, B // n, ...) from jdp.shard? "
+            "jdp.shard_map expects the global (B, ...) batch: use step.shard(batch).",
+            UserWarning,
+            stacklevel=2,
         )
+
+
+def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard: bool):
+    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error."""
+    if guard and _consumed(state):
+        raise RuntimeError(_CONSUMED)
     try:
         return fn(state, batch)
+    except ValueError as e:
+        if "deleted or donated" not in str(e) or not _consumed(state):
+            raise
+        raise RuntimeError(_CONSUMED) from None
     except NameError as e:
         if "unbound axis name" not in str(e):
             raise
@@ -398,6 +398,18 @@ def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str):
             f"This backend binds axis_name={axis_name!r}; use that name in lax.psum/pmean "
             "calls inside the step (and in make_train_step(axis_name=...))."
         ) from None
+
+
+_CONSUMED = (
+    "This state was consumed by an earlier step call: steps donate their input "
+    "state's buffers to the new state (jdp.pmap/jdp.shard_map donate_state). Use "
+    "the state the step returned (state, metrics = step(state, batch)); after "
+    "re-running a notebook cell, re-create or restore the state."
+)
+
+
+def _consumed(state: PyTree) -> bool:
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
 
 
 def _check_state(state: PyTree, n: int, *, expected_ndim: int, layout: str) -> None:

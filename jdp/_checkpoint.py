@@ -343,7 +343,7 @@ def _one_copy(tree: PyTree) -> PyTree:
 
 def _placement_like(template: PyTree) -> Callable[[PyTree], PyTree]:
     """Places a restored (logical, one-copy) tree the way ``template`` is placed."""
-    sharding = _first_sharding(_layout.shared(template))
+    sharding: Any = _first_sharding(_layout.shared(template))
     if sharding is None:
         base = replicate
     elif all(axis is None for axis in sharding.spec):

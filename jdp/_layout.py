@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
+from jdp import _tree
 from jdp._tree import PyTree
 
 Replicate = Callable[[PyTree], PyTree]
@@ -67,7 +68,7 @@ def place_like(template: PyTree, value: PyTree, replicate: Replicate) -> PyTree:
     nodes = jax.tree.leaves(template, is_leaf=is_per_replica)
     if not any(is_per_replica(x) for x in nodes):
         return replicate(value)
-    structure = jax.tree.structure(template, is_leaf=is_per_replica)
+    structure = _tree.structure(template, is_leaf=is_per_replica)
     parts = structure.flatten_up_to(value)
     holes = [None if is_per_replica(t) else p for t, p in zip(nodes, parts, strict=True)]
     placed = structure.flatten_up_to(replicate(structure.unflatten(holes)))
@@ -76,3 +77,19 @@ def place_like(template: PyTree, value: PyTree, replicate: Replicate) -> PyTree:
         for t, p, q in zip(nodes, parts, placed, strict=True)
     ]
     return structure.unflatten(out)
+
+
+def per_replica_leaves(tree: PyTree) -> list[bool]:
+    """Per leaf of ``tree`` (in flatten order): whether each replica holds its own part.
+
+    Read from the structure alone (it works on tracers): a per-replica node
+    marks the leaves its :meth:`PerReplica.shared` leaves out.
+    """
+    out: list[bool] = []
+    for node in jax.tree.leaves(tree, is_leaf=is_per_replica):
+        if is_per_replica(node):
+            kept = jax.tree.leaves(node.shared(), is_leaf=lambda x: x is None)
+            out.extend(x is None for x in kept)
+        else:
+            out.append(False)
+    return out

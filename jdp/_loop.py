@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from jdp import _tree
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
@@ -113,7 +114,11 @@ def fit(
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
                 rows.hold(step, metrics)
-            if eval_step is not None and _due(step, num_steps, eval_every):
+            if (
+                eval_step is not None
+                and eval_data is not None
+                and _due(step, num_steps, eval_every)
+            ):
                 rows.flush()
                 rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
             if checkpointer is not None and _due(step, num_steps, checkpoint_every):
@@ -204,7 +209,7 @@ def _run_hook(hook, epoch: int, state: PyTree) -> PyTree:
     new = hook(epoch, state)
     if new is None:
         return state
-    if jax.tree.structure(new) != jax.tree.structure(state):
+    if _tree.structure(new) != _tree.structure(state):
         raise TypeError(
             f"fit: on_epoch_end returned a {type(new).__name__} whose structure differs "
             "from the state's; return the (updated) state or None."
@@ -221,7 +226,7 @@ def _with_position(data: Iterable[PyTree]):
     processes = jax.process_count()
     for batch in data:
         examples = jax.tree.leaves(batch)[0].shape[0] * processes if jax.tree.leaves(batch) else 0
-        epoch = data.epoch if getattr(data, "is_new_epoch", False) else None
+        epoch = getattr(data, "epoch", None) if getattr(data, "is_new_epoch", False) else None
         yield batch, (_position(data), examples, epoch)
 
 
@@ -248,8 +253,9 @@ class _Rows:
 
     def __init__(self, history: History, callbacks: Sequence[Callable], bar: Progress, task):
         self.history, self.callbacks, self.bar, self.task = history, callbacks, bar, task
-        self._held = None
-        self._tick, self._examples, self._weights = time.perf_counter(), 0, []
+        self._held: tuple[int, dict, float, int, list] | None = None
+        self._weights: list[Any] = []
+        self._tick, self._examples = time.perf_counter(), 0
 
     def count(self, examples: int, weight) -> None:
         self._examples += examples

@@ -152,7 +152,7 @@ class DynamicLossScale:
     """
 
     loss_scale: jax.Array
-    counter: jax.Array = 0
+    counter: jax.Array | int = 0
     period: int = pytree.static_field(default=2000)
     factor: int | float = pytree.static_field(default=2)
     min_loss_scale: float = pytree.static_field(default=1.0)

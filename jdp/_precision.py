@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdp import _tree
 from jdp._tree import PyTree
 
 BatchSelector = Collection[str] | Callable[[str, jax.Array], bool]
@@ -74,7 +75,7 @@ class Policy:
         """
         if self.compute_dtype is None or not self.cast_batch:
             return batch
-        flat, treedef = jax.tree_util.tree_flatten_with_path(batch)
+        flat, treedef = _tree.flatten_with_path(batch)
         chosen = [self._selected(path, leaf) for path, leaf in flat]
         if not callable(self.cast_batch):
             found = {name for path, _ in flat for name in _names(path)}

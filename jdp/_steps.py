@@ -9,7 +9,7 @@ function's name). Backends turn anything else (a plain function) into a
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import jax
 
@@ -20,17 +20,6 @@ from jdp.strategies import Placement, Strategy, data_parallel
 
 Metrics = dict[str, jax.Array]
 StepFn = Callable[[Any, PyTree], Any]
-
-
-class PerReplicaStep(Protocol):
-    """What a backend needs of a step (``jdp.pmap``, ``jdp.shard_map``)."""
-
-    axis_name: str
-    returns_state: ClassVar[bool]
-
-    def __call__(self, state: Any, batch: PyTree) -> Any: ...
-
-    def place(self, tree: PyTree, placement: Placement) -> PyTree: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +69,9 @@ class EvalStep:
         return placement.replicate(tree)
 
 
+PerReplicaStep = TrainStep | EvalStep
+"""What a backend runs (``jdp.pmap``, ``jdp.shard_map``)."""
+
 S = TypeVar("S", TrainStep, EvalStep)
 
 
@@ -118,7 +110,7 @@ def wraps(step: S) -> Callable[[StepFn], S]:
     return decorate
 
 
-def as_step(step: object, backend: str, axis_name: str) -> TrainStep | EvalStep:
+def as_step(step: Any, backend: str, axis_name: str) -> TrainStep | EvalStep:
     """The step a backend runs: a jdp step as it is, a plain function as a TrainStep.
 
     A plain function gets the default strategy and the backend's axis.
@@ -135,4 +127,4 @@ def as_step(step: object, backend: str, axis_name: str) -> TrainStep | EvalStep:
         raise TypeError(
             f"jdp.{backend} takes a per-replica step (jdp.make_train_step(...)), got {step!r}."
         )
-    return TrainStep(step, axis_name)  # type: ignore[arg-type]
+    return TrainStep(step, axis_name)

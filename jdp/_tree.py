@@ -9,7 +9,8 @@ validation in ``__post_init__`` must only ever see values a user passed.
 
 import copy
 import dataclasses
-from typing import Any, TypeAlias, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeAlias, TypeVar, dataclass_transform
 
 import jax
 
@@ -30,16 +31,23 @@ def static_field(**kwargs: Any) -> Any:
     return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
+@dataclass_transform(frozen_default=True, field_specifiers=(dataclasses.field, static_field))
 def dataclass(cls: type[_T]) -> type[_T]:
     """Makes ``cls`` a frozen dataclass and registers it as a pytree node.
 
     Fields created with :func:`static_field` become auxiliary data; all other
-    fields are children, in declaration order.
+    fields are children, in declaration order. A class without
+    ``__post_init__`` is registered natively (``jax.tree_util.register_dataclass``:
+    flattened in C++, which is what a jitted call pays for on every call); a
+    class that validates in ``__post_init__`` is rebuilt without calling it.
     """
     cls = dataclasses.dataclass(frozen=True)(cls)
-    fields = dataclasses.fields(cls)
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     data = tuple(f.name for f in fields if not f.metadata.get("static", False))
     meta = tuple(f.name for f in fields if f.metadata.get("static", False))
+    if not hasattr(cls, "__post_init__"):
+        jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+        return cls
     keys = tuple(jax.tree_util.GetAttrKey(name) for name in data)
 
     def flatten(obj):
@@ -68,7 +76,7 @@ def replace(obj: _T, **changes: Any) -> _T:
     ``dataclasses.replace`` calls ``__init__``, which would validate traced
     values; this copies the instance and sets the fields directly.
     """
-    names = {f.name for f in dataclasses.fields(obj)}
+    names = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
     unknown = set(changes) - names
     if unknown:
         raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}.")
@@ -76,3 +84,18 @@ def replace(obj: _T, **changes: Any) -> _T:
     for name, value in changes.items():
         object.__setattr__(new, name, value)
     return new
+
+
+def flatten(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[Any], Any]:
+    """``jax.tree.flatten``, typed: jaxlib's PyTreeDef does not resolve under mypy."""
+    return jax.tree.flatten(tree, is_leaf=is_leaf)
+
+
+def flatten_with_path(tree: PyTree) -> tuple[list[Any], Any]:
+    """``jax.tree_util.tree_flatten_with_path``, typed as :func:`flatten` is."""
+    return jax.tree_util.tree_flatten_with_path(tree)
+
+
+def structure(tree: PyTree, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """``jax.tree.structure``, typed as :func:`flatten` is."""
+    return jax.tree.structure(tree, is_leaf=is_leaf)

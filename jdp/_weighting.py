@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jdp import _tree
 from jdp import _tree as pytree
 from jdp._tree import PyTree
 
@@ -106,7 +107,7 @@ def weighted_average(tree: PyTree, weight: jax.Array | None, axis_name: str) -> 
     have no say; where every weight is 0 each replica keeps its own values.
     Integer leaves pass through.
     """
-    leaves, treedef = jax.tree.flatten(tree)
+    leaves, treedef = _tree.flatten(tree)
     index = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
     own = [leaves[i] for i in index]
     if not own:

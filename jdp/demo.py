@@ -229,6 +229,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "off for bfloat16/float16, whose point is speed)",
     )
     add("--virtual-replicas", type=_positive, default=8, help="exact mode's G (default 8)")
+    add(
+        "--communication",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the gradient all-reduce (bfloat16 halves the bytes; not with --exact)",
+    )
     add("--seed", type=int, default=0, help="seed for the split, the init and the shuffle")
     add("--quiet", action="store_true", help="no progress bar")
     add(
@@ -244,6 +250,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.exact = args.precision == "float32"
     if args.devices < 0:
         parser.error(f"--devices must be >= 0, got {args.devices}")
+    if args.exact and args.communication != "float32":
+        parser.error("--communication bfloat16 rounds the sum over replicas: not with --exact")
     return args
 
 
@@ -255,7 +263,13 @@ def train(args, train_data, test_data, devices, checkpoints=None):
         wrap = lambda step: backend(step, devices=devices)  # noqa: E731
     else:
         wrap = lambda step: backend(step, mesh=jax.sharding.Mesh(np.asarray(devices), ("batch",)))  # noqa: E731
-    strategy = jdp.strategies.exact(args.virtual_replicas) if args.exact else None
+    if args.exact:
+        strategy = jdp.strategies.exact(args.virtual_replicas)
+    elif args.communication == "bfloat16":
+        comm = jdp.strategies.cast_communication(jnp.bfloat16)
+        strategy = jdp.strategies.data_parallel(communication=comm)
+    else:
+        strategy = jdp.strategies.data_parallel()
     train_step = wrap(
         jdp.make_train_step(loss_fn, has_aux=True, precision=policy, strategy=strategy)
     )
@@ -351,6 +365,7 @@ def main(argv=None) -> dict:
         "max_param_diff": None,
         "bitwise_equal": None,
         "exact_mode": args.exact,
+        "communication": args.communication,
     }
     if not args.no_reference:
         print(f"the same run on 1 device, for comparison ({args.steps} steps)")

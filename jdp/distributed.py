@@ -9,6 +9,7 @@ supports); explicit arguments go straight to ``jax.distributed.initialize``.
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -92,7 +93,7 @@ def initialize(
         force_cpu_devices(cpu_devices_per_process)
     if timeout is None and ENV_TIMEOUT in env:
         timeout = int(env[ENV_TIMEOUT])
-    timeouts = {}
+    timeouts: dict[str, Any] = {}
     if timeout is not None:
         timeouts = {"heartbeat_timeout_seconds": timeout, "shutdown_timeout_seconds": timeout}
     jax.distributed.initialize(

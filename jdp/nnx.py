@@ -46,7 +46,7 @@ def split(model: nnx.Module) -> tuple[nnx.GraphDef, State, ModelState]:
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"jdp.nnx.split expects an nnx.Module, got {type(model).__name__}.")
-    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    graphdef, params, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     return graphdef, params, (rest, rngs)
 
 
@@ -78,7 +78,7 @@ def merge(
         )
         keys = {tag: jax.random.fold_in(rng, i) for i, tag in enumerate(streams)}
         if keys:
-            nnx.reseed(model, **keys)
+            nnx.reseed(model, **keys)  # type: ignore[arg-type]  # streams by name
     return model
 
 
@@ -86,5 +86,5 @@ def state(model: nnx.Module, model_state: ModelState) -> ModelState:
     """The new model state to return from the loss: the module's non-parameter
     variables (e.g. updated batch statistics), with the RNG state as it came in,
     so replicas stay identical."""
-    _, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    _, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     return rest, model_state[1]

@@ -6,7 +6,7 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
-from jdp._backends import pmap, shard_map
+from jdp._backends import PmapStep, ShardMapStep, pmap, shard_map
 from jdp._steps import TrainStep
 from jdp._tree import PyTree, is_prng_key
 
@@ -46,8 +46,9 @@ def check_exact(
     """
 
     devices = list(devices or jax.local_devices())
-    results = {}
+    results: dict[int, Any] = {}
     for n in device_counts:
+        step: PmapStep | ShardMapStep
         if backend == "pmap":
             step = pmap(make_step(), devices=devices[:n])
         else:
@@ -55,7 +56,7 @@ def check_exact(
                 make_step(), mesh=jax.sharding.Mesh(np.asarray(devices[:n]), ("batch",))
             )
         placed = step.replicate(state)
-        metrics = {}
+        metrics: dict[str, Any] = {}
         for batch in batches:
             placed, metrics = step(placed, step.shard(batch))
         # Device 0's metrics; "weight" is each device's own share, so it is left out.

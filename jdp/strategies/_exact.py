@@ -22,6 +22,7 @@ import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+from jdp import _tree
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -162,8 +163,9 @@ def exact_gradients(
     # Two collectives in all, whatever the model: one small all_gather of
     # every scalar the devices share, and one all_to_all + all_gather of the
     # gradients and floating model state, packed into a single vector.
+    shared_weight = tree_sum(weights)
     scalars = {
-        "weight": tree_sum(weights),
+        "weight": shared_weight,
         "total": tree_sum(totals),
         "aux": {
             k: tree_sum(jax.vmap(zero)(v * _expand(weights, v), weights))
@@ -187,7 +189,7 @@ def exact_gradients(
     aux = {name: safe_divide(v, total_weight) for name, v in shared["aux"].items()}
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
-    mine = scalars["weight"] if weighted else None
+    mine = shared_weight if weighted else None
     return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
 
 
@@ -240,7 +242,7 @@ def _floating_model_state(stacked: PyTree, weights: jax.Array):
     replica 0's value. Other leaves (counters, RNG state) are virtual replica
     0's.
     """
-    leaves, treedef = jax.tree.flatten(stacked)
+    leaves, treedef = _tree.flatten(stacked)
     floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
 
     def weighted_sum(x):

@@ -114,7 +114,7 @@ class ShardedOptState:
 
     def logical(self, read: Callable[[Any], Any]) -> PyTree:
         """The ``tx.init(params)`` layout on the host; replicated leaves through ``read``."""
-        leaves, treedef = jax.tree.flatten(self.shards)
+        leaves, treedef = _tree.flatten(self.shards)
         out = []
         for x, shape in zip(leaves, self.logical_shapes, strict=True):
             if shape is None:
@@ -126,7 +126,7 @@ class ShardedOptState:
 
     def shared(self) -> PyTree:
         """The leaves every replica holds alike (split leaves left out)."""
-        leaves, treedef = jax.tree.flatten(self.shards)
+        leaves, treedef = _tree.flatten(self.shards)
         kept = [None if shape else x for x, shape in zip(leaves, self.logical_shapes, strict=True)]
         return jax.tree.unflatten(treedef, kept)
 
@@ -197,13 +197,13 @@ def layout(tx: optax.GradientTransformation, params: PyTree, n: int) -> tuple:
     """
     logical = jax.eval_shape(tx.init, params)
     sliced = jax.eval_shape(tx.init, slice_template(params, n))
-    if jax.tree.structure(logical) != jax.tree.structure(sliced):
+    if _tree.structure(logical) != _tree.structure(sliced):
         raise ValueError(
             "shard_optimizer=True: the optimizer's state has another structure for parameter "
             "slices than for whole parameters, so it cannot be split exactly. Use an "
             "elementwise optimizer (sgd, momentum, adam, adamw, lion) or shard_optimizer=False."
         )
-    shapes = []
+    shapes: list[tuple[int, ...] | None] = []
     paths = jax.tree_util.tree_flatten_with_path(logical)[0]
     for (path, whole), part in zip(paths, jax.tree.leaves(sliced), strict=True):
         if whole.shape == part.shape:
@@ -242,7 +242,7 @@ def _split(opt_state: PyTree, shapes: tuple, placement: Placement) -> ShardedOpt
     """A logical optimizer state cut into n rows per split leaf, placed."""
     _check_layout(opt_state, shapes)
     n = placement.size
-    leaves, treedef = jax.tree.flatten(opt_state)
+    leaves, treedef = _tree.flatten(opt_state)
     holes = [None if shape else x for x, shape in zip(leaves, shapes, strict=True)]
     kept = jax.tree.leaves(
         placement.replicate(jax.tree.unflatten(treedef, holes)), is_leaf=lambda x: x is None
@@ -288,7 +288,7 @@ def reduce_scatter_gradients(
     n = lax.axis_size(axis_name)
     if weight is not None and grad_reduce == "sum":  # per-replica weighted means, summed
         grads = jax.tree.map(lambda g: safe_divide(g, weight.astype(g.dtype)), grads)
-    leaves, treedef = jax.tree.flatten(grads)
+    leaves, treedef = _tree.flatten(grads)
     split = [is_sharded_param(x.shape, n) for x in leaves]
     small = communication.all_reduce(
         [x for x, s in zip(leaves, split, strict=True) if not s], axis_name
