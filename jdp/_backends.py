@@ -390,6 +390,12 @@ def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard:
         if "deleted or donated" not in str(e) or not _consumed(state):
             raise
         raise RuntimeError(_CONSUMED) from None
+    except TypeError as e:
+        if "Error interpreting argument" not in str(e):
+            raise
+        leaves_with_paths(batch, "batch")  # jdp's own message, naming the leaf
+        leaves_with_paths(state, "state")
+        raise
     except NameError as e:
         if "unbound axis name" not in str(e):
             raise

@@ -92,7 +92,7 @@ def wraps(step: S) -> Callable[[StepFn], S]:
       ...     return state, {**metrics, "param_norm": jnp.linalg.norm(state.params)}
       >>> step = jdp.pmap(with_norm)
       >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(8), tx=optax.adam(0.1)))
-      >>> state, metrics = step(state, step.shard(np.ones(16, np.float32)))
+      >>> state, metrics = step(state, step.shard(np.ones((16, 8), np.float32)))
       >>> sorted(metrics)
       ['loss', 'param_norm']
     """
