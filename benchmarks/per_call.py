@@ -129,8 +129,8 @@ def runners(n):
     out["bare (params, opt_state)"] = Runner(
         bare_step(mesh), placed((params, TX.init(params)), P()), placed(host, P("batch"))
     )
-    if n == 1:
-        flax = train_state.TrainState.create(apply_fn=None, params=params, tx=TX)
+    if n == 1:  # its own params: the others' were donated
+        flax = train_state.TrainState.create(apply_fn=None, params={"w": jnp.zeros((4, 1))}, tx=TX)
         out["Flax TrainState"] = Runner(flax_step(), flax, jax.device_put(host, devices[0]))
     return out
 
