@@ -1,4 +1,4 @@
-"""Per-device memory of the replicated step and of shard_optimizer=True, against ZeRO's formula.
+"""Per-device memory of the replicated step and of strategies.zero1(), against ZeRO's formula.
 
 A float32 MLP of about 12.6M parameters (2048-2048-2048-2048, tanh) with Adam,
 global batch 64, under jdp.shard_map on n = 1, 2, 4, 8 CPU devices. For each
@@ -68,7 +68,7 @@ def measure(n: int, shard: bool, params, loss, batch) -> dict:
     count = sum(x.size for x in jax.tree.leaves(params))
     return {
         "n": n,
-        "shard_optimizer": shard,
+        "sharded": shard,
         "parameters": count,
         "params_mib": device0_bytes(state.params) / MiB,
         "opt_state_mib": device0_bytes(state.opt_state) / MiB,
@@ -102,9 +102,9 @@ def main():
         for r in (replicated, sharded):
             ratio = r["opt_state_mib"] * r["n"] / replicated["opt_state_mib"]
             print(
-                f"{r['n']:>2} {'sharded' if r['shard_optimizer'] else 'replicated':>10}"
+                f"{r['n']:>2} {'sharded' if r['sharded'] else 'replicated':>10}"
                 f" {r['params_mib']:>10.1f} {r['opt_state_mib']:>8.1f}"
-                f" {ratio if r['shard_optimizer'] else 1.0:>13.4f} {r['formula_mib']:>11.1f}"
+                f" {ratio if r['sharded'] else 1.0:>13.4f} {r['formula_mib']:>11.1f}"
                 f" {r['peak_mib']:>9.1f} {r['peak_mib'] / replicated['peak_mib']:>15.3f}"
             )
     if args.json:

@@ -9,7 +9,7 @@ same MLP and global batch:
   pmap   jdp.pmap(jdp.make_train_step(loss))                 float32
   smap   jdp.shard_map(jdp.make_train_step(loss))            float32
   pmap16 / smap16: the same with precision=jdp.Policy(jnp.bfloat16, cast_batch=("x",))
-  pmapZ / smapZ: shard_optimizer=True (weight-update sharding, docs/memory.md);
+  pmapZ / smapZ: strategies.zero1() (weight-update sharding, docs/memory.md);
          ratio sharded/replicated
   pmapX / smapX: exact mode, make_train_step(loss, strategy=jdp.strategies.exact(8)): bitwise the
          same result on every device count (docs/exact.md); ratio exact/ordinary
@@ -129,13 +129,9 @@ class HandJit:
 
 
 class Jdp:
-    def __init__(
-        self, backend, tx, devices, compute_dtype=None, virtual_replicas=None, shard=False
-    ):
+    def __init__(self, backend, tx, devices, compute_dtype=None, strategy=None):
         policy = jdp.Policy(compute_dtype, cast_batch=("x",) if compute_dtype else ())
-        step = jdp.make_train_step(
-            loss_fn, precision=policy, virtual_replicas=virtual_replicas, shard_optimizer=shard
-        )
+        step = jdp.make_train_step(loss_fn, precision=policy, strategy=strategy)
         if backend == "pmap":
             self.step = jdp.pmap(step, devices=devices)
         else:
@@ -178,10 +174,10 @@ def bench_n(n, rounds, steps):
         "smap": Jdp("shard_map", tx, devices),
         "pmap16": Jdp("pmap", tx, devices, jnp.bfloat16),
         "smap16": Jdp("shard_map", tx, devices, jnp.bfloat16),
-        "pmapX": Jdp("pmap", tx, devices, virtual_replicas=8),
-        "smapX": Jdp("shard_map", tx, devices, virtual_replicas=8),
-        "pmapZ": Jdp("pmap", tx, devices, shard=True),
-        "smapZ": Jdp("shard_map", tx, devices, shard=True),
+        "pmapX": Jdp("pmap", tx, devices, strategy=jdp.strategies.exact(8)),
+        "smapX": Jdp("shard_map", tx, devices, strategy=jdp.strategies.exact(8)),
+        "pmapZ": Jdp("pmap", tx, devices, strategy=jdp.strategies.zero1()),
+        "smapZ": Jdp("shard_map", tx, devices, strategy=jdp.strategies.zero1()),
     }
     params, host_batch = init_params(), data()
     states, batches, compile_s, memory = {}, {}, {}, {}
@@ -285,13 +281,13 @@ def main():
         results,
         "X",
         "exact_over_ordinary",
-        "exact mode (virtual_replicas=8) against the ordinary step of the same backend",
+        "exact mode (strategies.exact(8)) against the ordinary step of the same backend",
     )
     print_variant_table(
         results,
         "Z",
         "sharded_over_replicated",
-        "weight-update sharding (shard_optimizer=True) against the replicated step",
+        "weight-update sharding (strategies.zero1()) against the replicated step",
     )
     if args.json:
         with open(args.json, "w") as f:

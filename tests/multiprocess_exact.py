@@ -2,7 +2,7 @@
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_exact.py OUT BACKEND
 
-20 Adam steps of an MLP with dropout, virtual_replicas=8; process 0 writes
+20 Adam steps of an MLP with dropout, strategies.exact(8); process 0 writes
 the final params and the last loss to OUT.
 """
 

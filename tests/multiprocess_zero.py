@@ -1,4 +1,4 @@
-"""shard_optimizer=True across processes, for tests/test_optimizer_sharding.py.
+"""strategies.zero1() across processes, for tests/test_optimizer_sharding.py.
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT
 

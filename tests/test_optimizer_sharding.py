@@ -1,4 +1,4 @@
-"""Weight-update sharding (shard_optimizer=True): 1/n of the optimizer per device, same numbers."""
+"""Weight-update sharding (strategies.zero1()): 1/n of the optimizer per device, same numbers."""
 
 import itertools
 import math

@@ -17,12 +17,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import optax
 from jax import lax
 
 from jdp import _layout
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
+from jdp._update import apply_gradients
 
 
 class Reduced(NamedTuple):
@@ -101,6 +103,23 @@ PSUM = Communication(lambda tree, axis_name: lax.psum(tree, axis_name), _psum_sc
 def replicate_state(state: TrainState, placement: Placement) -> TrainState:
     """``place`` for strategies whose replicas all hold the whole state."""
     return placement.replicate(state)
+
+
+def whole_state_update(name: str) -> UpdateFn:
+    """``update`` for strategies whose replicas hold the whole, reduced gradients."""
+
+    def update(state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str):
+        del axis_name
+        refuse_per_replica(state, name)
+        return apply_gradients(state, grads, model_state=model_state)
+
+    return update
+
+
+def plain_norm(grads: PyTree, params: PyTree, axis_name: str) -> jax.Array:
+    """``global_norm`` for strategies whose replicas hold the whole gradients."""
+    del params, axis_name
+    return optax.tree.norm(grads)
 
 
 def refuse_per_replica(state: TrainState, name: str) -> None:

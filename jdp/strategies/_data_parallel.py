@@ -3,21 +3,20 @@
 from typing import Literal
 
 import jax
-import optax
 from jax import lax
 
-from jdp._forward import Forward, accumulate, replica_rng
+from jdp._forward import Contribution, Forward, accumulate, replica_rng
 from jdp._state import TrainState
 from jdp._tree import PyTree
-from jdp._update import apply_gradients
 from jdp._weighting import safe_divide, weighted_average
 from jdp.strategies._base import (
     PSUM,
     Communication,
     Reduced,
     Strategy,
-    refuse_per_replica,
+    plain_norm,
     replicate_state,
+    whole_state_update,
 )
 
 GradReduce = Literal["mean", "sum"]
@@ -82,10 +81,17 @@ def check_reduce(reduce: object, accumulate_steps: object, where: str) -> None:
 
 def local_contribution(
     forward: Forward, state: TrainState, batch: PyTree, axis_name: str, accumulate_steps: int
-):
+) -> Contribution:
     """This replica's contribution, with its own key per replica and step."""
     rng = None if state.rng is None else replica_rng(state.rng, state.step, axis_name)
     return accumulate(forward, state, batch, rng, accumulate_steps)
+
+
+def reduced(local: Contribution, grads: PyTree, axis_name: str) -> Reduced:
+    """The step's result from this replica's contribution and the reduced gradients."""
+    model_state = weighted_average(local.model_state, local.weight, axis_name)
+    loss = local.total if local.weight is None else safe_divide(local.total, local.weight)
+    return Reduced(grads, loss, local.weight, model_state, local.aux)
 
 
 def data_parallel(
@@ -119,17 +125,7 @@ def data_parallel(
         grads = reduce_gradients(
             local.grads, axis_name, reduce, local.weight, communication=communication
         )
-        model_state = weighted_average(local.model_state, local.weight, axis_name)
-        loss = local.total if local.weight is None else safe_divide(local.total, local.weight)
-        return Reduced(grads, loss, local.weight, model_state, local.aux)
+        return reduced(local, grads, axis_name)
 
-    def update(state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str):
-        del axis_name
-        refuse_per_replica(state, "data_parallel")
-        return apply_gradients(state, grads, model_state=model_state)
-
-    def global_norm(grads: PyTree, params: PyTree, axis_name: str) -> jax.Array:
-        del params, axis_name
-        return optax.tree.norm(grads)
-
-    return Strategy("data_parallel", gradients, update, global_norm, replicate_state)
+    update = whole_state_update("data_parallel")
+    return Strategy("data_parallel", gradients, update, plain_norm, replicate_state)

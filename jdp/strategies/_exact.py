@@ -18,7 +18,6 @@ module; the program after the last collective is the same for every n.
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
@@ -26,9 +25,14 @@ from jdp import _tree
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
-from jdp._update import apply_gradients
 from jdp._weighting import safe_divide
-from jdp.strategies._base import Reduced, Strategy, refuse_per_replica, replicate_state
+from jdp.strategies._base import (
+    Reduced,
+    Strategy,
+    plain_norm,
+    replicate_state,
+    whole_state_update,
+)
 
 
 def exact(virtual_replicas: int) -> Strategy:
@@ -54,16 +58,7 @@ def exact(virtual_replicas: int) -> Strategy:
         rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
         return exact_gradients(forward, state, batch, rng, virtual_replicas, axis_name)
 
-    def update(state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str):
-        del axis_name
-        refuse_per_replica(state, "exact")
-        return apply_gradients(state, grads, model_state=model_state)
-
-    def global_norm(grads: PyTree, params: PyTree, axis_name: str) -> jax.Array:
-        del params, axis_name
-        return optax.tree.norm(grads)
-
-    return Strategy("exact", gradients, update, global_norm, replicate_state)
+    return Strategy("exact", gradients, whole_state_update("exact"), plain_norm, replicate_state)
 
 
 def check_virtual_replicas(virtual_replicas: object) -> None:
@@ -117,7 +112,7 @@ def exact_gradients(
     """This step's exact global gradient, loss, model state and aux.
 
     Args:
-      forward: ``(state, params, model_state, micro_batch, rng) -> Local``,
+      forward: ``(state, params, model_state, micro_batch, rng) -> Contribution``,
         the step's forward and backward pass for one micro-batch.
       state: the step's input state.
       batch: this device's part of the global batch.
@@ -127,20 +122,8 @@ def exact_gradients(
       axis_name: the data axis.
     """
     n = lax.axis_size(axis_name)
-    if virtual_replicas % n:
-        raise ValueError(
-            f"virtual_replicas={virtual_replicas} is not divisible by the {n} devices the "
-            "step runs on; use a device count that divides it (or another power of two)."
-        )
+    micro = _virtual_replicas_here(batch, virtual_replicas, n)
     per_device = virtual_replicas // n
-    size = jax.tree.leaves(batch)[0].shape[0]
-    if size % per_device:
-        raise ValueError(
-            f"The global batch of {size * n} examples does not split into "
-            f"virtual_replicas={virtual_replicas} micro-batches of equal size; use a batch "
-            f"size divisible by {virtual_replicas}."
-        )
-    micro = jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), batch)
     first = lax.axis_index(axis_name) * per_device
 
     outs = _each_virtual_replica(
@@ -191,6 +174,24 @@ def exact_gradients(
     # step, so summing it over devices gives the global weight.
     mine = shared_weight if weighted else None
     return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
+
+
+def _virtual_replicas_here(batch: PyTree, virtual_replicas: int, n: int) -> PyTree:
+    """This device's part of the batch as ``(G / n, B / G, ...)``: its virtual replicas."""
+    if virtual_replicas % n:
+        raise ValueError(
+            f"virtual_replicas={virtual_replicas} is not divisible by the {n} devices the "
+            "step runs on; use a device count that divides it (or another power of two)."
+        )
+    per_device = virtual_replicas // n
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if size % per_device:
+        raise ValueError(
+            f"The global batch of {size * n} examples does not split into "
+            f"virtual_replicas={virtual_replicas} micro-batches of equal size; use a batch "
+            f"size divisible by {virtual_replicas}."
+        )
+    return jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), batch)
 
 
 def _each_virtual_replica(fn, micro: PyTree, count: int, opaque_zero: jax.Array):

@@ -42,10 +42,10 @@ from jdp._replication import place_rows
 from jdp._state import TrainState
 from jdp._tree import PyTree
 from jdp._update import apply_gradients
-from jdp._weighting import safe_divide, weighted_average
+from jdp._weighting import safe_divide
 from jdp.distributed import from_process0
 from jdp.strategies._base import PSUM, Communication, Placement, Reduced, Strategy
-from jdp.strategies._data_parallel import check_reduce, local_contribution
+from jdp.strategies._data_parallel import check_reduce, local_contribution, reduced
 from jdp.strategies._elementwise import check_elementwise
 
 
@@ -83,9 +83,7 @@ def zero1(
         grads = reduce_scatter_gradients(
             local.grads, axis_name, reduce, local.weight, communication
         )
-        model_state = weighted_average(local.model_state, local.weight, axis_name)
-        loss = local.total if local.weight is None else safe_divide(local.total, local.weight)
-        return Reduced(grads, loss, local.weight, model_state, local.aux)
+        return reduced(local, grads, axis_name)
 
     return Strategy("zero1", gradients, apply_sharded, sharded_norm, place)
 
