@@ -76,7 +76,7 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpointer: max_to_keep must be None or an int >= 1, got {max_to_keep!r}."
             )
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = pathlib.Path(directory).expanduser().absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(
                 f"Checkpointer: {self.directory} is a file; pass a directory (it is created "
@@ -106,7 +106,8 @@ class Checkpointer:
 
         Raises:
           TypeError: ``extra`` is not JSON-serializable, or ``step`` is not an int.
-          ValueError: ``step`` is negative, or a checkpoint ``step`` already exists.
+          ValueError: ``step`` is negative, a checkpoint ``step`` already exists, or a
+            newer one does.
         """
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
             raise TypeError(f"Checkpointer.save: step must be an int, got {step!r}.")
@@ -121,9 +122,17 @@ class Checkpointer:
                 f"Checkpointer.save: extra must be JSON-serializable (dicts, lists, str, "
                 f"int, float, bool, None); {e}."
             ) from None
-        if step in self._manager.all_steps():
+        steps = self._manager.all_steps()
+        if step in steps:
             raise ValueError(
                 f"Checkpointer.save: checkpoint {step} already exists in {self.directory}."
+            )
+        if steps and step < max(steps):
+            # Orbax would skip it without a word: it only saves steps past the newest.
+            raise ValueError(
+                f"Checkpointer.save: step {step} is older than checkpoint {max(steps)} in "
+                f"{self.directory}; checkpoints must be saved in increasing step order. Use "
+                "another directory for a run that starts over."
             )
         arrays = _nest({parts: leaf for parts, _, leaf in _leaves(_global_copy(_whole(state)))})
         self._manager.save(

@@ -148,6 +148,12 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
         (False, True): "(loss, new_model_state)",
         (True, True): "(loss, (new_model_state, aux))",
     }[(has_aux, has_model_state)]
+    if isinstance(out, tuple) and not (has_aux or has_model_state):
+        raise TypeError(
+            f"loss_fn returned a tuple of {len(out)}, but the step expects a bare loss. If it "
+            "returns (loss, aux), build the step with has_aux=True; (loss, new_model_state): "
+            "has_model_state=True; (loss, (new_model_state, aux)): both."
+        )
     loss, model_state, aux = out, None, {}
     try:
         if has_aux or has_model_state:

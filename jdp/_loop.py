@@ -93,6 +93,17 @@ def fit(
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state, history = _resume(checkpointer, state, train_data)
     step = _step_of(state)
+    if step > num_steps:
+        raise ValueError(
+            f"fit: the state is at step {step}"
+            + (
+                f" (restored from {checkpointer.directory})"
+                if checkpointer is not None and history.resumed_at
+                else ""
+            )
+            + f", past num_steps={num_steps}; fit would return it unchanged. Pass "
+            f"num_steps >= {step}, or a fresh checkpoint directory to train from the start."
+        )
     # Prefetching reads ahead; carry each batch's iterator position with it
     # so hooks and checkpoints see the position of the batch just trained on.
     batches = prefetch_to_device(
@@ -305,9 +316,15 @@ def _global_metrics(metrics: dict) -> dict[str, Any]:
 
 
 def _status(row: dict[str, Any]) -> str:
+    """The progress bar's text: the loss (or, for steps without one, the first two metrics)."""
     rate = row.get("examples_per_s", row.get("weight_per_s", 0.0))
     unit = "ex/s" if "examples_per_s" in row else "weight/s"
-    return f"loss {row['loss']:.4f}  {rate:.0f} {unit}"
+    names = ["loss"] if "loss" in row else [k for k in row if k not in _BOOKKEEPING][:2]
+    shown = "  ".join(f"{k} {row[k]:.4f}" for k in names if isinstance(row[k], float))
+    return f"{shown}  {rate:.0f} {unit}"
+
+
+_BOOKKEEPING = ("split", "step", "examples_per_s", "weight_per_s", "weight", "seconds")
 
 
 def _progress_bar(enabled: bool) -> Progress:

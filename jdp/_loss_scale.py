@@ -187,6 +187,13 @@ class DynamicLossScale:
         return _unscale_tree(tree, self.loss_scale)
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+        """The scale after a step whose reduced gradients were (not) finite.
+
+        Args:
+          grads_finite: a boolean scalar, the same on every replica
+            (:func:`jdp.all_finite` of the reduced gradients).
+        """
+        _check_decision(grads_finite)
         counter = self.counter + 1
         complete = counter >= self.period
         grown = self.loss_scale * self.factor
@@ -198,3 +205,14 @@ class DynamicLossScale:
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+
+
+def _check_decision(grads_finite: jax.typing.ArrayLike) -> None:
+    """jmp asserts a boolean scalar here; a vector would turn the scale into a vector."""
+    shape, dtype = jnp.shape(grads_finite), jnp.result_type(grads_finite)
+    if shape != () or dtype != jnp.bool_:
+        raise ValueError(
+            "DynamicLossScale.adjust: grads_finite must be one boolean scalar (one decision "
+            f"for the whole step), got shape {shape} and dtype {dtype}. Reduce it first, e.g. "
+            "jdp.all_finite(grads)."
+        )

@@ -245,3 +245,39 @@ def test_bfloat16_compute_keeps_float32_master_state(backend):
     mean_grad = jax.tree.map(lambda *g: sum(g) / 8, *[shard_grad(i) for i in range(8)])
     expected = jax.tree.map(jnp.subtract, params, mean_grad)
     models.assert_trees_close(out.params, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_flax_dynamic_scale_equals_period_growth_interval_plus_one():
+    """docs/loss-scaling.md's Flax row, checked against Flax itself."""
+    from flax.training.dynamic_scale import DynamicScale
+
+    growth_interval = 3
+    finite = np.random.default_rng(0).random(300) > 0.1
+    flax_scale = DynamicScale(growth_interval=growth_interval, scale=2.0**16, minimum_scale=1.0)
+    ours = jdp.DynamicLossScale(jnp.float32(2.0**16), period=growth_interval + 1)
+    for ok in finite:
+        bad = jnp.float32(0.0 if ok else jnp.inf)
+        flax_scale, is_fin, _, _ = flax_scale.value_and_grad(lambda x, b=bad: x * (1.0 + b))(
+            jnp.float32(1.0)
+        )
+        ours = ours.adjust(jnp.asarray(ok))
+        assert bool(is_fin) == bool(ok)
+        assert float(flax_scale.scale) == float(ours.loss_scale)
+    wrong = jdp.DynamicLossScale(jnp.float32(2.0**16), period=growth_interval)
+    assert float(
+        wrong.adjust(jnp.array(True)).adjust(jnp.array(True)).adjust(jnp.array(True)).loss_scale
+    ) != float(
+        DynamicScale(growth_interval=growth_interval, scale=2.0**16)
+        .value_and_grad(lambda x: x)(1.0)[0]
+        .value_and_grad(lambda x: x)(1.0)[0]
+        .value_and_grad(lambda x: x)(1.0)[0]
+        .scale
+    )
+
+
+def test_adjust_refuses_anything_but_one_boolean_decision():
+    scale = jdp.DynamicLossScale(jnp.float32(2.0**15))
+    with pytest.raises(ValueError, match=r"one boolean scalar .* got shape \(3,\)"):
+        scale.adjust(jnp.array([True, False, True]))
+    with pytest.raises(ValueError, match="dtype float32"):
+        scale.adjust(jnp.float32(1.0))

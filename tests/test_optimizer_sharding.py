@@ -325,3 +325,26 @@ def test_two_processes_of_two_devices_equal_one_of_four(backend, tmp_path):
     assert set(out[1].files) == set(out[2].files)
     for name in out[1].files:
         np.testing.assert_allclose(out[2][name], out[1][name], rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jdp_clip_with_leaves_too_small_to_split(backend):
+    """A scalar temperature and a bias shorter than the device count stay whole on every
+    replica: reducing over them is exact, so jdp's own clip is accepted and exact."""
+
+    def loss(params, batch):
+        return models.mlp_loss(params["mlp"], batch) * params["temperature"] + jnp.sum(
+            params["bias"] ** 2
+        )
+
+    params = {"mlp": PARAMS, "temperature": jnp.float32(1.5), "bias": jnp.ones(3)}
+    tx = optax.chain(jdp.clip_by_global_norm(0.5), optax.adam(1e-2))
+    finals = []
+    for strategy in (jdp.strategies.data_parallel(), jdp.strategies.zero1()):
+        step = models.backend(backend, jdp.make_train_step(loss, strategy=strategy), 4)
+        state = step.replicate(jdp.TrainState.create(params=params, tx=tx))
+        for batch in DATA[:10]:
+            state, _ = step(state, step.shard(batch))
+        finals.append(step.unreplicate(state))
+    assert_close(finals[1].params, finals[0].params)
+    assert_close(finals[1].opt_state, finals[0].opt_state)

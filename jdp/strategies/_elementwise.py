@@ -39,57 +39,72 @@ _COMBINING = {
 }
 
 
-def check_elementwise(update_fn: Callable[..., Any], *args: Any) -> None:
+Flow = tuple[bool, str | None]
+"""Per value: (derived from a slice, the combining primitive it depends on or None)."""
+_CLEAN: Flow = (False, None)
+
+
+def check_elementwise(update_fn: Callable[..., Any], sliced: list[bool], *args: Any) -> None:
     """Refuses an update whose result depends on a reduction over a slice.
 
-    Traces ``update_fn(*args)`` (inside a sharded update) and follows every
-    value computed by a reduction over a non-scalar array to the outputs; a
-    ``psum`` over the data axis (as in :func:`clip_by_global_norm`) makes it
-    global again.
+    Traces ``update_fn(*args)`` and follows every value computed by a
+    reduction over a non-scalar array derived from a slice (``sliced``: per
+    flattened leaf of ``args``, whether the replica holds only a slice of it)
+    to the outputs. A reduction over a leaf every replica holds whole is
+    exact; a ``psum`` over the data axis (as in :func:`clip_by_global_norm`)
+    makes a slice's reduction global again.
 
     Raises:
       ValueError: naming the primitive, when an output depends on one.
     """
     closed = jax.make_jaxpr(update_fn)(*args)
-    culprit = _tainted_outputs(closed.jaxpr, [None] * len(closed.jaxpr.invars))
-    found = next((c for c in culprit if c is not None), None)
+    if len(sliced) != len(closed.jaxpr.invars):
+        raise ValueError(
+            f"check_elementwise: {len(sliced)} flags for {len(closed.jaxpr.invars)} inputs."
+        )
+    flows = _flow(closed.jaxpr, [(bool(x), None) for x in sliced])
+    found = next((t for _, t in flows if t is not None), None)
     if found is not None:
         raise ValueError(
-            f"shard_optimizer=True: the optimizer's update applies `{found}` across the "
-            "elements of a parameter or of the whole tree (global-norm clipping, LAMB/LARS "
-            "trust ratios, adafactor, apply_if_finite, ...), which on a 1/n slice would give "
-            "a silently different update. Use jdp.clip_by_global_norm for global-norm "
-            "clipping, an elementwise optimizer, or shard_optimizer=False."
+            f"jdp.strategies.zero1: the optimizer's update applies `{found}` across the "
+            "elements of a split parameter or of the whole tree (global-norm clipping, "
+            "LAMB/LARS trust ratios, adafactor, apply_if_finite, ...), which on a 1/n slice "
+            "would give a silently different update. Use jdp.clip_by_global_norm for "
+            "global-norm clipping, an elementwise optimizer, or strategies.data_parallel()."
         )
 
 
-def _tainted_outputs(jaxpr, taints: list) -> list:
-    """Per output: the combining primitive it depends on (not yet psum'd), or None."""
+def _flow(jaxpr, inputs: list[Flow]) -> list[Flow]:
+    """Per output of ``jaxpr``: whether it derives from a slice, and its taint."""
     env: dict = {}
 
-    def read(v):
-        return env.get(v) if isinstance(v, jax_core.Var) else None
+    def read(v) -> Flow:
+        return env.get(v, _CLEAN) if isinstance(v, jax_core.Var) else _CLEAN
 
-    for v, t in zip(jaxpr.invars, taints, strict=True):
-        env[v] = t
+    for v, f in zip(jaxpr.invars, inputs, strict=True):
+        env[v] = f
     for eqn in jaxpr.eqns:
-        inputs = [read(v) for v in eqn.invars]
+        flows = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         inner = _inner_jaxprs(eqn)
-        if name == "psum":
-            outs = [None] * len(eqn.outvars)
+        if name == "psum":  # a sum over every replica's slices: global, exact
+            outs = [_CLEAN] * len(eqn.outvars)
         elif inner:
-            outs = _through_inner(eqn, inner, inputs)
-        elif name in _COMBINING and any(
-            getattr(getattr(v, "aval", None), "ndim", 0) >= 1 for v in eqn.invars
-        ):
-            outs = [name] * len(eqn.outvars)
+            outs = _through_inner(eqn, inner, flows)
         else:
-            t = next((t for t in inputs if t is not None), None)
-            outs = [t] * len(eqn.outvars)
-        for v, t in zip(eqn.outvars, outs, strict=True):
-            env[v] = t
+            merged = _merge(flows)
+            combines_a_slice = name in _COMBINING and any(
+                f[0] and getattr(getattr(v, "aval", None), "ndim", 0) >= 1
+                for v, f in zip(eqn.invars, flows, strict=True)
+            )
+            outs = [(merged[0], name if combines_a_slice else merged[1])] * len(eqn.outvars)
+        for v, f in zip(eqn.outvars, outs, strict=True):
+            env[v] = f
     return [read(v) for v in jaxpr.outvars]
+
+
+def _merge(flows: list[Flow]) -> Flow:
+    return any(f[0] for f in flows), next((f[1] for f in flows if f[1] is not None), None)
 
 
 def _inner_jaxprs(eqn) -> list:
@@ -103,14 +118,13 @@ def _inner_jaxprs(eqn) -> list:
     return found
 
 
-def _through_inner(eqn, inner: list, inputs: list) -> list:
+def _through_inner(eqn, inner: list, inputs: list[Flow]) -> list[Flow]:
     if len(inner) == 1 and len(inner[0].invars) == len(inputs):
-        outs = _tainted_outputs(inner[0], inputs)
+        outs = _flow(inner[0], inputs)
         if len(outs) == len(eqn.outvars):
             return outs
-    # Control flow: conservatively, any taint inside or outside reaches every output.
-    incoming = next((t for t in inputs if t is not None), None)
+    # Control flow: conservatively, anything inside or outside reaches every output.
+    incoming = _merge(inputs)
     for jaxpr in inner:
-        seed = [incoming] * len(jaxpr.invars)
-        incoming = incoming or next((t for t in _tainted_outputs(jaxpr, seed) if t), None)
+        incoming = _merge([incoming, *_flow(jaxpr, [incoming] * len(jaxpr.invars))])
     return [incoming] * len(eqn.outvars)

@@ -363,8 +363,14 @@ def apply_sharded(
     view = state.replace(params=slices, opt_state=sharded.shards)
     norm = partial(sharded_norm, params=state.params, axis_name=axis_name)
     tx = optax.with_extra_args_support(state.tx)
+    split = [is_sharded_param(x.shape, n) for x in jax.tree.leaves(state.params)]
+    rows = [shape is not None for shape in sharded.logical_shapes]
     check_elementwise(
-        lambda g, s, p: tx.update(g, s, p, global_norm=norm), grads, sharded.shards, slices
+        lambda g, s, p: tx.update(g, s, p, global_norm=norm),
+        split + rows + split,
+        grads,
+        sharded.shards,
+        slices,
     )
     new, info = apply_gradients(
         view, grads, model_state=model_state, axis_name=axis_name, global_norm=norm
@@ -421,6 +427,8 @@ def all_rows(x: jax.Array) -> np.ndarray:
 
 
 def _positive(x: object) -> bool:
+    if isinstance(x, (str, bytes)):
+        return False
     try:
         return float(x) > 0  # type: ignore[arg-type]
     except (TypeError, ValueError):
