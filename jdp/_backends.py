@@ -25,6 +25,7 @@ from jdp._batching import (
     divisible_batch_size,
     leaves_with_paths,
     local_mesh,
+    refuse_placed,
     shard_blocks,
 )
 from jdp._devices import warn_if_cpu_pool_unsafe
@@ -259,6 +260,7 @@ class ShardMapStep:
         process); the parts of all processes, in process order, form the
         global batch.
         """
+        refuse_placed(batch, "ShardMapStep.shard", allowed=self._sharded)
         divisible_batch_size(batch, len(self._sharded.addressable_devices))
         if jax.process_count() == 1:  # the whole global batch is here: one device_put per leaf
             return jax.tree.map(lambda x: jax.device_put(x, self._sharded), batch)
@@ -381,20 +383,28 @@ def _check_global_batch(batch: PyTree, n: int) -> None:
 
 
 def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard: bool):
-    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error."""
+    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error.
+
+    Everything here but the call itself runs only when the call failed.
+    """
     if guard and _consumed(state):
         raise RuntimeError(_CONSUMED)
     try:
         return fn(state, batch)
-    except ValueError as e:
-        if "deleted or donated" not in str(e) or not _consumed(state):
-            raise
-        raise RuntimeError(_CONSUMED) from None
-    except TypeError as e:
-        if "Error interpreting argument" not in str(e):
-            raise
-        leaves_with_paths(batch, "batch")  # jdp's own message, naming the leaf
-        leaves_with_paths(state, "state")
+    except (ValueError, TypeError, IndexError) as e:
+        if _mapped_by_a_transform(e, state, batch):
+            raise TypeError(
+                f"A jdp.{backend} step was called under jax.vmap or jax.pmap (or another "
+                "transform that maps over the inputs): it is mapped over the devices already. "
+                "Call it directly; to map the step yourself, map the per-replica step "
+                "(jax.pmap(jdp.make_train_step(...), axis_name=...)); to add work inside the "
+                "step, wrap it with @jdp.wraps(train_step)."
+            ) from e
+        if isinstance(e, ValueError) and "deleted or donated" in str(e) and _consumed(state):
+            raise RuntimeError(_CONSUMED) from None
+        if isinstance(e, TypeError) and "Error interpreting argument" in str(e):
+            leaves_with_paths(batch, "batch")  # jdp's own message, naming the leaf
+            leaves_with_paths(state, "state")
         raise
     except NameError as e:
         if "unbound axis name" not in str(e):
@@ -406,6 +416,21 @@ def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard:
         ) from None
 
 
+def _mapped_by_a_transform(error: Exception, *trees: PyTree) -> bool:
+    """Inputs traced by a transform that maps them (vmap, pmap): they lost their leading axis.
+
+    ``jax.jit`` around a step composes (its tracers keep their shapes); under
+    ``jax.pmap`` the tracers look like jit's, so the layout error they cause tells.
+    """
+    tracers = [x for x in jax.tree.leaves(trees) if isinstance(x, jax.core.Tracer)]
+    if any(type(x).__name__ == "BatchTracer" for x in tracers):
+        return True
+    layout = isinstance(error, IndexError) or any(
+        phrase in str(error) for phrase in ("is not replicated", "expects a leading device axis")
+    )
+    return bool(tracers) and layout
+
+
 _CONSUMED = (
     "This state was consumed by an earlier step call: steps donate their input "
     "state's buffers to the new state (jdp.pmap/jdp.shard_map donate_state). Use "
@@ -415,7 +440,10 @@ _CONSUMED = (
 
 
 def _consumed(state: PyTree) -> bool:
-    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state))
+    return any(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+        for x in jax.tree.leaves(state)
+    )
 
 
 def _check_state(state: PyTree, n: int, *, expected_ndim: int, layout: str) -> None:

@@ -107,11 +107,30 @@ def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
 def shard_blocks(tree: PyTree, sharding: NamedSharding) -> PyTree:
     """:func:`shard` onto the devices of a prebuilt 1-D ``sharding`` (built once per step)."""
     n = sharding.mesh.size
+    refuse_placed(tree, "jdp.shard")
     size = divisible_batch_size(tree, n)
     return jax.tree.map(
         lambda x: jax.device_put(x.reshape((n, size // n) + x.shape[1:]), sharding),
         tree,
     )
+
+
+def refuse_placed(tree: PyTree, what: str, allowed: NamedSharding | None = None) -> None:
+    """Refuses a batch already spread over devices (sharded once already), naming the leaf."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(x, jax.Array) or len(x.sharding.device_set) < 2:
+            continue
+        # The pmap layout (n, B // n, ...) is placed with the same sharding as a
+        # global batch; only its leading axis of n tells them apart.
+        pmap_layout = x.ndim >= 2 and x.shape[0] == len(x.sharding.device_set)
+        if allowed is not None and x.sharding == allowed and not pmap_layout:
+            continue
+        raise ValueError(
+            f"{what}: batch leaf {jax.tree_util.keystr(path) or '<root>'} (shape {x.shape}) is "
+            f"already spread over {len(x.sharding.device_set)} devices: the batch was sharded "
+            "already (by jdp.shard or a step's shard, perhaps of the other backend). Pass the "
+            "host batch; jdp.unshard turns a pmap-layout batch back into one."
+        )
 
 
 def unshard(tree: PyTree) -> PyTree:

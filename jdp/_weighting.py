@@ -8,6 +8,7 @@ batch: per-example losses, per-token losses and padding alike.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdp import _tree
@@ -40,6 +41,16 @@ class WeightedLoss:
 
     total: jax.Array
     weight: jax.Array
+
+    def __post_init__(self) -> None:
+        # A traced weight cannot be checked here; a negative one counts as 0
+        # there (docs/pitfalls.md). A concrete one is refused at once.
+        weight = self.weight
+        if not isinstance(weight, jax.core.Tracer) and np.any(np.asarray(weight) < 0):
+            raise ValueError(
+                f"WeightedLoss.weight must be >= 0 (what the total is summed over), got "
+                f"{np.asarray(weight)}; a negative weight would drop this replica's update."
+            )
 
     def mean(self) -> jax.Array:
         """``total / weight``, or 0 where the weight is 0."""

@@ -12,6 +12,8 @@ replica.
 Example:
   >>> import jax, jax.numpy as jnp, optax, jdp
   >>> from flax import nnx
+
+from jdp._tree import is_prng_key
   >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1)))
   >>> graphdef, params, model_state = jdp.nnx.split(model)
   >>> def loss_fn(params, batch, model_state, rng):
@@ -29,6 +31,8 @@ from typing import Any
 
 import jax
 from flax import nnx
+
+from jdp._tree import is_prng_key
 
 State = Any
 ModelState = tuple[State, State]
@@ -86,5 +90,27 @@ def state(model: nnx.Module, model_state: ModelState) -> ModelState:
     """The new model state to return from the loss: the module's non-parameter
     variables (e.g. updated batch statistics), with the RNG state as it came in,
     so replicas stay identical."""
-    _, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
+    _, _, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
+    _check_reseeded(rngs, model_state[1])
     return rest, model_state[1]
+
+
+def _check_reseeded(now: State, stored: State) -> None:
+    """Refuses random numbers drawn from the stored RNG state (``merge`` without ``rng``).
+
+    jdp never advances the stored state (every replica keeps it identical), so
+    without a per-replica, per-step key every replica and every step would draw
+    the same dropout mask. A stream that drew has a new count; one that ``merge``
+    reseeded has a new key.
+    """
+    pairs = list(zip(jax.tree.leaves(now), jax.tree.leaves(stored), strict=True))
+    drew = any(a is not b for a, b in pairs if not is_prng_key(a))
+    reseeded = any(a is not b for a, b in pairs if is_prng_key(a))
+    if drew and not reseeded:
+        raise ValueError(
+            "jdp.nnx: the module drew random numbers (e.g. dropout) from its stored RNG "
+            "state, which jdp.nnx.merge was given no rng= to reseed: every replica and every "
+            "step would get the same mask. Build the step with has_rng=True and call "
+            "jdp.nnx.merge(graphdef, params, model_state, rng=rng); for evaluation, call "
+            "model.eval() first."
+        )

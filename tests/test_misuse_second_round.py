@@ -1,6 +1,7 @@
 """Misuse, second round (issue #21): each case answered with an error that names the
 problem and the fix, or made to do the right thing."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -84,3 +85,83 @@ def test_saving_an_older_step_than_the_newest_checkpoint_is_an_error(tmp_path):
     ckpt.wait_until_finished()
     assert ckpt.all_steps() == [10]
     ckpt.close()
+
+
+def test_sharding_a_batch_twice_is_an_error_naming_the_leaf():
+    once = jdp.shard(BATCH)
+    with pytest.raises(ValueError, match=r"jdp.shard: batch leaf \['x'\].*sharded already"):
+        jdp.shard(once)
+    smap = jdp.shard_map(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(ValueError, match=r"ShardMapStep.shard: batch leaf .*sharded already"):
+        smap.shard(once)  # the pmap layout, handed to the other backend
+    placed = smap.shard(BATCH)
+    assert smap.shard(placed)["x"].sharding == placed["x"].sharding  # its own layout: a no-op
+    pmap = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    with pytest.raises(ValueError, match="sharded already"):
+        pmap.shard(placed)
+    np.testing.assert_array_equal(jdp.unshard(np.asarray(once["x"])), BATCH["x"])
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_jax_jit_around_a_step_composes(backend):
+    step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8)
+    fresh = lambda: step.replicate(  # noqa: E731
+        jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1))
+    )
+    batch = step.shard(BATCH)
+    direct, _ = step(fresh(), batch)
+    jitted, _ = jax.jit(step)(fresh(), batch)
+    for a, b in zip(
+        jax.tree.leaves(step.unreplicate(direct)),
+        jax.tree.leaves(step.unreplicate(jitted)),
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("transform", ["vmap", "pmap"])
+def test_mapping_a_mapped_step_says_so(transform):
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
+    mapped = jax.vmap(step) if transform == "vmap" else jax.pmap(step, axis_name="batch")
+    with pytest.raises(
+        TypeError, match=r"called under jax.vmap or jax.pmap.*mapped over the devices already"
+    ):
+        mapped(state, step.shard(BATCH))
+
+
+def test_nnx_dropout_without_a_key_is_an_error_not_one_mask_for_all():
+    from flax import nnx
+
+    import jdp.nnx
+
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Dropout(0.5, rngs=nnx.Rngs(1)))
+    graphdef, params, model_state = jdp.nnx.split(model)
+
+    def make(with_key, train=True):
+        def loss_fn(params, batch, model_state, rng):
+            m = jdp.nnx.merge(graphdef, params, model_state, rng=rng if with_key else None)
+            m.train() if train else m.eval()
+            return jnp.mean(m(batch) ** 2), jdp.nnx.state(m, model_state)
+
+        return jdp.pmap(jdp.make_train_step(loss_fn, has_model_state=True, has_rng=True))
+
+    def run(step):
+        state = step.replicate(
+            jdp.TrainState.create(
+                params=params, tx=optax.sgd(0.1), model_state=model_state, rng=jax.random.key(0)
+            )
+        )
+        return step(state, step.shard(jnp.ones((16, 3))))
+
+    with pytest.raises(ValueError, match=r"drew random numbers .* no rng= to reseed"):
+        run(make(with_key=False))
+    _, metrics = run(make(with_key=True))
+    assert len(set(np.asarray(metrics["loss"]).tolist())) > 1  # replicas drew their own masks
+    run(make(with_key=False, train=False))  # no dropout drawn: nothing to refuse
+
+
+def test_a_negative_weight_is_refused_where_it_can_be_seen():
+    with pytest.raises(ValueError, match=r"weight must be >= 0 .* got -2.0"):
+        jdp.WeightedLoss(total=jnp.float32(1.0), weight=jnp.float32(-2.0))
+    assert float(jdp.WeightedLoss(jnp.float32(3.0), jnp.float32(2.0)).mean()) == 1.5
