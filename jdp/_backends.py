@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jdp import _layout, _tree
+from jdp import _layout, _tree, _watchdog
 from jdp._batching import (
     AXIS_NAME,
     divisible_batch_size,
@@ -387,6 +387,7 @@ def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard:
 
     Everything here but the call itself runs only when the call failed.
     """
+    _watchdog.note_step()
     if guard and _consumed(state):
         raise RuntimeError(_CONSUMED)
     try:

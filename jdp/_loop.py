@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from jdp import _tree
+from jdp import _tree, _watchdog
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
@@ -114,8 +114,10 @@ def fit(
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task)
         while step < num_steps:
-            batch, (position, examples, epoch) = _next(batches, step, num_steps)
-            state, metrics = train_step(state, batch)
+            with _watchdog.phase("data loading", step + 1):
+                batch, (position, examples, epoch) = _next(batches, step, num_steps)
+            with _watchdog.phase("the training step", step + 1):
+                state, metrics = train_step(state, batch)
             step += 1
             # The last logged step's metrics are read now, while this step runs:
             # reading them at once would drain the device queue every log_every steps.
@@ -131,11 +133,13 @@ def fit(
                 and _due(step, num_steps, eval_every)
             ):
                 rows.flush()
-                rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
+                with _watchdog.phase("evaluation", step):
+                    rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
             if checkpointer is not None and _due(step, num_steps, checkpoint_every):
                 rows.flush()
                 extra = {"data": position, "history": dataclasses.asdict(history)}
-                checkpointer.save(step, state, extra=extra)
+                with _watchdog.phase("a checkpoint save", step):
+                    checkpointer.save(step, state, extra=extra)
         rows.flush()
     if checkpointer is not None:
         checkpointer.wait_until_finished()

@@ -6,14 +6,15 @@ cluster (SLURM, TPU pods, Kubernetes and the other environments JAX
 supports); explicit arguments go straight to ``jax.distributed.initialize``.
 """
 
+import contextlib
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
 
+from jdp import _watchdog
 from jdp._devices import force_cpu_devices
 from jdp._tree import PyTree, is_prng_key
 
@@ -43,10 +44,23 @@ def initialize(
     cpu_devices_per_process: int | None = None,
     initialization_timeout: int = 300,
     timeout: int | None = None,
+    **jax_kwargs: Any,
 ) -> None:
     """Joins this process to a multi-process job on JAX's distributed runtime.
 
-    Call it once, before any other JAX or jdp call that touches devices.
+    Call it once, before any other JAX or jdp call that touches devices. With
+    no arguments it reads, in order: the variables ``python -m jdp.launch``
+    sets; the cluster JAX detects (SLURM ``srun``/``sbatch``, Open MPI
+    ``mpirun``, Kubernetes, Cloud TPU; MPICH and others through
+    ``cluster_detection_method="mpi4py"``); with neither, it runs as one
+    process (a plain ``python train.py``).
+
+    In a job of several processes it also makes the job fail fast: an
+    uncaught exception in any process ends every process within seconds,
+    naming the failed process, its host and what it was doing; SIGTERM ends
+    the process cleanly; a process that made no step call for ``timeout``
+    seconds (because another left the loop early, or stopped) ends the job
+    naming who finished or fell behind.
 
     Args:
       coordinator_address: ``host:port`` of process 0's coordinator. Default:
@@ -55,35 +69,30 @@ def initialize(
       num_processes: the number of processes (default as above).
       process_id: this process's index (default as above).
       local_device_ids: restrict this process to these local devices (GPUs).
+        Under ``srun``/``mpirun`` JAX defaults to one GPU per process, chosen
+        by the local rank: launch one task per GPU, or pass the ids.
       cpu_devices_per_process: force this many CPU devices in each process
         (``jdp.force_cpu_devices``), default ``$JDP_CPU_DEVICES_PER_PROCESS``;
         CPU collectives between processes use gloo.
       initialization_timeout: seconds to wait for every process to join.
-      timeout: seconds after which a process that stopped answering (missed
-        heartbeats) or a process waiting at exit for the others (JAX's
-        shutdown barrier) ends the job with an error naming the missing
-        processes, instead of waiting forever. Default ``$JDP_TIMEOUT`` (set
-        by ``jdp.launch --timeout``), else JAX's defaults (100 s heartbeats,
-        300 s shutdown).
+      timeout: the stall deadline in seconds: a process with no step call for
+        this long ends the job; JAX's heartbeat and shutdown-barrier timeouts
+        use it too. Default ``$JDP_TIMEOUT`` (set by ``jdp.launch
+        --timeout``), else 600 s for the stall deadline and JAX's defaults
+        (100 s heartbeats, 300 s shutdown).
+      **jax_kwargs: passed to ``jax.distributed.initialize``, e.g.
+        ``cluster_detection_method="mpi4py"`` or ``coordinator_bind_address``.
 
     Raises:
       RuntimeError: called twice, or after JAX's backend already started (a
         collective, an array or ``jax.devices()`` came first).
+      ValueError: a timeout JAX option is passed in ``jax_kwargs`` (use ``timeout``).
     """
-    if jax.distributed.is_initialized():
-        raise RuntimeError(
-            "jdp.distributed.initialize() was already called in this process; call it once."
-        )
-    if _backend_started():
-        raise RuntimeError(
-            "jdp.distributed.initialize() must come before anything that starts "
-            "JAX's backend (creating an array, jax.devices(), a jdp step). Move it "
-            "to the top of the script."
-        )
+    _check_can_initialize(jax_kwargs)
+    _CALLED.append(True)
     env = os.environ
-    if ENV_COORDINATOR in env:
-        sys.excepthook = _exit_at_once
-    if coordinator_address is None and ENV_COORDINATOR in env:
+    launched = ENV_COORDINATOR in env
+    if coordinator_address is None and launched:
         coordinator_address = env[ENV_COORDINATOR]
         num_processes = int(env[ENV_NUM_PROCESSES]) if num_processes is None else num_processes
         process_id = int(env[ENV_PROCESS_ID]) if process_id is None else process_id
@@ -93,34 +102,83 @@ def initialize(
         force_cpu_devices(cpu_devices_per_process)
     if timeout is None and ENV_TIMEOUT in env:
         timeout = int(env[ENV_TIMEOUT])
-    timeouts: dict[str, Any] = {}
     if timeout is not None:
-        timeouts = {"heartbeat_timeout_seconds": timeout, "shutdown_timeout_seconds": timeout}
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes,
-        process_id,
-        local_device_ids=local_device_ids,
-        initialization_timeout=initialization_timeout,
-        **timeouts,
+        # The shutdown barrier outwaits the stall watchdog, so a process that
+        # finished early is named by the others instead of aborting first.
+        jax_kwargs |= {
+            "heartbeat_timeout_seconds": timeout,
+            "shutdown_timeout_seconds": 2 * timeout + 10,
+        }
+    if coordinator_address is None and not _cluster_detected(jax_kwargs):
+        _watchdog.install(timeout, _finish_before_exit)  # no launcher: one process
+        return
+    # Under jdp.launch inside a SLURM or Open MPI allocation, JAX's detection
+    # would still pin each child to the GPU of the launcher's local rank.
+    with _hidden(_CLUSTER_VARIABLES if launched else ()):
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=initialization_timeout,
+            **jax_kwargs,
+        )
+    _watchdog.install(timeout, _finish_before_exit)
+
+
+_OWN_OPTIONS = ("heartbeat_timeout_seconds", "shutdown_timeout_seconds")
+# The variables whose presence makes JAX detect SLURM and Open MPI.
+_CLUSTER_VARIABLES = ("SLURM_LOCALID", "OMPI_MCA_orte_hnp_uri")
+
+
+# Set once initialize() ran (a job of one process joins nothing, so JAX cannot tell).
+_CALLED: list[bool] = []
+
+
+def _check_can_initialize(jax_kwargs: dict[str, Any]) -> None:
+    if _CALLED or jax.distributed.is_initialized():
+        raise RuntimeError(
+            "jdp.distributed.initialize() was already called in this process; call it once."
+        )
+    if _backend_started():
+        raise RuntimeError(
+            "jdp.distributed.initialize() must come before anything that starts "
+            "JAX's backend (creating an array, jax.devices(), a jdp step). Move it "
+            "to the top of the script."
+        )
+    clash = sorted(set(jax_kwargs) & set(_OWN_OPTIONS))
+    if clash:
+        raise ValueError(
+            f"jdp.distributed.initialize: {clash} are set from timeout= (or $JDP_TIMEOUT); "
+            "pass timeout=seconds instead."
+        )
+
+
+def _cluster_detected(jax_kwargs: dict[str, Any]) -> bool:
+    """Whether JAX's cluster detection finds a launcher (SLURM, Open MPI, Kubernetes, ...)."""
+    from jax._src import clusters  # JAX has no public query for this
+
+    method = jax_kwargs.get("cluster_detection_method")
+    return any(
+        (env.name == method or (method is None and not env.opt_in_only_method))
+        and env.is_env_present()
+        for env in clusters.ClusterEnv._cluster_types
     )
 
 
-def _exit_at_once(exc_type, exc, tb) -> None:
-    """Under jdp.launch: report an uncaught exception and exit now.
+@contextlib.contextmanager
+def _hidden(names: Sequence[str]) -> Iterator[None]:
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
-    A normal exit runs JAX's distributed shutdown, which waits for the other
-    processes, and they may be waiting in a collective for this one: the job
-    would hang until a timeout. Exiting at once lets the launcher see the
-    failure and stop the others within seconds. ``os._exit`` skips atexit,
-    so an in-flight asynchronous checkpoint is finished first (bounded wait).
-    """
-    sys.__excepthook__(exc_type, exc, tb)
-    sys.stdout.flush()
-    sys.stderr.flush()
+
+def _finish_before_exit(timeout: float) -> None:
+    """Finishes what the registered modules must finish (in-flight checkpoint saves)."""
     for finish in _BEFORE_FATAL_EXIT:
-        finish(float(os.environ.get(ENV_TIMEOUT, 60)))
-    os._exit(1)
+        finish(timeout)
 
 
 def _backend_started() -> bool:
@@ -136,7 +194,7 @@ def check_initialized() -> None:
 
     Without it, every process would silently train alone on its slice.
     """
-    if ENV_COORDINATOR in os.environ and not jax.distributed.is_initialized():
+    if ENV_COORDINATOR in os.environ and not _CALLED:
         raise RuntimeError(
             f"This process was started by jdp.launch as process "
             f"{os.environ.get(ENV_PROCESS_ID)} of {os.environ.get(ENV_NUM_PROCESSES)}, but "

@@ -13,7 +13,7 @@ import sys
 # checkpoints, backends, the loop) knows no strategy but the default one the
 # step types name.
 LAYERS = [
-    ["jdp._version", "jdp._tree", "jdp._devices"],
+    ["jdp._version", "jdp._tree", "jdp._devices", "jdp._watchdog"],
     ["jdp.distributed", "jdp._batching"],
     ["jdp._layout", "jdp._weighting", "jdp._loss_scale", "jdp._precision"],
     ["jdp._replication", "jdp._state", "jdp._metrics"],

@@ -1,0 +1,213 @@
+"""Fail fast in a multi-process job, under any launcher.
+
+A job of several processes hangs when one of them raises, dies or leaves the
+loop early: the others wait in a collective, and JAX's shutdown barrier waits
+(300 s by default) for the one that left. Whatever started the processes
+(``jdp.launch``, ``srun``, ``mpirun``, Kubernetes), :func:`install` makes each
+process of a multi-process job
+
+- report an uncaught exception with its process index, host and what it was
+  doing (``phase``), publish that in JAX's key-value store, finish in-flight
+  checkpoint saves (bounded) and exit at once, so the collectives of the
+  others fail and they exit too, naming the process that failed;
+- end on SIGTERM (cancellation, preemption) within seconds, even while the main
+  thread waits in a collective;
+- run a watchdog thread: when this process made no step call for ``deadline``
+  seconds, it names the processes that finished or fell behind (read from the
+  key-value store) and exits.
+
+Nothing here changes what a step computes; it only decides when to stop.
+"""
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
+EXIT_FAILED, EXIT_TERMINATED = 1, 143
+_PREFIX = "jdp/"
+
+
+class _Job:
+    """This process's view of the job (one instance, set by :func:`install`)."""
+
+    def __init__(self, state: Any, deadline: float, before_exit: Callable[[float], None]):
+        self.client, self.deadline, self.before_exit = state.client, deadline, before_exit
+        self.index, self.count = state.process_id, state.num_processes
+        self.host = socket.gethostname()
+        self.phase: str | None = None  # None: a loop of the user's own (not jdp.fit)
+        self.step: int | None = None
+        self.calls, self.last_call = 0, time.monotonic()
+        self.finished = False
+
+    def who(self) -> str:
+        return f"process {self.index} of {self.count} on {self.host}"
+
+    def doing(self) -> str:
+        if self.phase is None:
+            return f"its own loop, after {self.calls} step calls"
+        return self.phase + ("" if self.step is None else f" at step {self.step}")
+
+    def publish(self, key: str, value: str) -> None:
+        with contextlib.suppress(Exception):  # the coordinator may be gone already
+            self.client.key_value_set(_PREFIX + key, value, allow_overwrite=True)
+
+    def read(self, key: str) -> str | None:
+        try:
+            return self.client.key_value_try_get(_PREFIX + key)
+        except Exception:
+            return None
+
+    def progress(self) -> dict[int, str]:
+        try:
+            entries = self.client.key_value_dir_get(_PREFIX + "progress/")
+        except Exception:
+            return {}
+        return {int(key.rsplit("/", 1)[-1]): value for key, value in entries}
+
+    def exit(self, code: int, message: str, timeout: float = 10.0) -> None:
+        sys.stderr.write(f"[jdp] {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        self.before_exit(timeout)
+        os._exit(code)
+
+
+_JOB: _Job | None = None
+
+
+def install(deadline: float | None, before_exit: Callable[[float], None]) -> None:
+    """Installs the exception hook, the SIGTERM handler and the watchdog (several processes).
+
+    In one process only the exception hook: it finishes in-flight checkpoint saves.
+    """
+    global _JOB
+    # JAX's coordination state, read without starting the backend (the
+    # caller may still configure it).
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None or (state.num_processes or 1) < 2:
+        sys.excepthook = _finishing(before_exit)
+        return
+    _JOB = _Job(state, deadline or DEFAULT_DEADLINE, before_exit)
+    sys.excepthook = _on_exception
+    _on_sigterm(_JOB)
+    threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True).start()
+    # Registered after JAX's own shutdown hook, so it runs first: a process that
+    # finished says so before it waits in JAX's shutdown barrier.
+    atexit.register(_finish)
+
+
+def note_step() -> None:
+    """A step call: progress, for the watchdog (cheap; a no-op in one process)."""
+    job = _JOB
+    if job is not None:
+        job.calls += 1
+        job.last_call = time.monotonic()
+
+
+@contextlib.contextmanager
+def phase(name: str, step: int | None = None) -> Iterator[None]:
+    """Marks what this process is doing, named in failure messages (no-op in one process)."""
+    job = _JOB
+    if job is None:
+        yield
+        return
+    # Not restored afterwards: the last phase entered is what the process was
+    # doing, also when an exception leaves it.
+    job.phase, job.step = name, step
+    yield
+
+
+def _finishing(before_exit: Callable[[float], None]) -> Callable[..., None]:
+    """One process: an uncaught exception still finishes in-flight checkpoint saves."""
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        sys.__excepthook__(exc_type, exc, tb)
+        before_exit(60.0)
+
+    return hook
+
+
+def _on_exception(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    sys.__excepthook__(exc_type, exc, tb)
+    job = _JOB
+    if job is None:  # pragma: no cover - installed only with a job
+        os._exit(EXIT_FAILED)
+    other = job.read("failed")
+    if other is not None and not other.startswith(job.who()):
+        job.exit(EXIT_FAILED, f"{job.who()}: ending the job because {other}")
+    report = f"{job.who()} failed in {job.doing()}: {exc_type.__name__}: {exc}"
+    job.publish("failed", report)
+    job.exit(EXIT_FAILED, report + ". Ending the job.")
+
+
+def _on_sigterm(job: _Job) -> None:
+    """Handles SIGTERM in a thread: the main thread may be blocked in a collective.
+
+    The C-level handler Python installs writes the signal to a wakeup file
+    descriptor; a daemon thread reads it and ends the process.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.set_wakeup_fd(write_fd)
+
+    def wait() -> None:
+        while True:
+            data = os.read(read_fd, 64)
+            if signal.SIGTERM in data:
+                job.exit(
+                    EXIT_TERMINATED,
+                    f"{job.who()} received SIGTERM in {job.doing()}; "
+                    "finished pending checkpoint saves and exited.",
+                )
+
+    threading.Thread(target=wait, name="jdp-sigterm", daemon=True).start()
+
+
+def _watch(job: _Job) -> None:
+    """Publishes progress, follows another process's failure, detects a stall.
+
+    It keeps running after this process finished its loop: there it waits in
+    JAX's shutdown barrier, and a failure of the others ends it too.
+    """
+    period = min(2.0, job.deadline / 4)
+    while True:
+        time.sleep(period)
+        if not job.finished:
+            job.publish(f"progress/{job.index}", f"{job.calls} step calls, {job.doing()}")
+        failed = job.read("failed")
+        if failed is not None and not failed.startswith(job.who()):
+            job.exit(EXIT_FAILED, f"{job.who()}: ending the job because {failed}")
+        if job.calls and not job.finished and time.monotonic() - job.last_call > job.deadline:
+            _stalled(job)
+
+
+def _stalled(job: _Job) -> None:
+    others = {i: s for i, s in job.progress().items() if i != job.index}
+    missing = [i for i in range(job.count) if i != job.index and i not in others]
+    lines = [f"process {i}: {s}" for i, s in sorted(others.items())]
+    lines += [f"process {i}: never reported" for i in missing]
+    report = (
+        f"{job.who()} made no step call for {job.deadline:.0f} s "
+        f"(in {job.doing()}): it waits for the others. " + "; ".join(lines)
+    )
+    job.publish("failed", report)
+    job.exit(EXIT_FAILED, report + ". Ending the job (deadline: JDP_TIMEOUT or timeout=).")
+
+
+def _finish() -> None:
+    job = _JOB
+    if job is None or job.finished:
+        return
+    job.finished = True
+    job.publish(f"progress/{job.index}", f"finished after {job.calls} step calls")
