@@ -4,6 +4,7 @@ Everything here is a composition of public jdp pieces: a wrapped step, any
 iterable of host batches, prefetching, evaluation and a Checkpointer.
 """
 
+import contextlib
 import dataclasses
 import time
 import warnings
@@ -71,7 +72,11 @@ def fit(
         ``eval_every`` steps and at the end over ``eval_data()`` (a callable
         returning a fresh one-pass iterable of host batches).
       checkpointer: save every ``checkpoint_every`` steps and at the end, and
-        resume from its latest checkpoint when there is one.
+        resume from its latest checkpoint when there is one. In a script that
+        called ``jdp.distributed.initialize()``, SIGTERM (preemption) makes
+        fit save the last completed step (every process agrees on it within
+        4 steps) and exit with code 75, "run me again" (``jdp.launch
+        --max-restarts``, SLURM ``--requeue``).
       on_epoch_end: called as ``on_epoch_end(epoch, state)`` after the step
         that completes an epoch (for iterators with ``is_new_epoch`` and
         ``epoch``, like Chainer's ``auto_new_epoch``); may return a new state.
@@ -110,7 +115,8 @@ def fit(
         _with_position(train_data), shard_fn=lambda item: (train_step.shard(item[0]), item[1])
     )
     position = _position(train_data)
-    with _progress_bar(progress) as bar:
+    preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
+    with _progress_bar(progress) as bar, preemptible:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task)
         while step < num_steps:
@@ -135,15 +141,27 @@ def fit(
                 rows.flush()
                 with _watchdog.phase("evaluation", step):
                     rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
-            if checkpointer is not None and _due(step, num_steps, checkpoint_every):
-                rows.flush()
-                extra = {"data": position, "history": dataclasses.asdict(history)}
-                with _watchdog.phase("a checkpoint save", step):
-                    checkpointer.save(step, state, extra=extra)
+            if checkpointer is None:
+                continue
+            due = _due(step, num_steps, checkpoint_every)
+            if due:
+                _save(checkpointer, step, state, position, history, rows)
+            if _watchdog.preemption_agreed(step):  # SIGTERM: save this step, exit "run me again"
+                if not due:
+                    _save(checkpointer, step, state, position, history, rows)
+                checkpointer.wait_until_finished()
+                _watchdog.exit_preempted(step, str(checkpointer.directory))
         rows.flush()
     if checkpointer is not None:
         checkpointer.wait_until_finished()
     return state, history
+
+
+def _save(checkpointer: Checkpointer, step: int, state, position, history: History, rows) -> None:
+    rows.flush()
+    extra = {"data": position, "history": dataclasses.asdict(history)}
+    with _watchdog.phase("a checkpoint save", step):
+        checkpointer.save(step, state, extra=extra)
 
 
 def _next(batches, step: int, num_steps: int):

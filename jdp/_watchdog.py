@@ -30,8 +30,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+
 DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
-EXIT_FAILED, EXIT_TERMINATED = 1, 143
+EXIT_FAILED, EXIT_TERMINATED, EXIT_PREEMPTED = 1, 143, 75  # 75: EX_TEMPFAIL, "run me again"
+PREEMPTION_GRACE = 30.0  # seconds from SIGTERM to a saved checkpoint (SLURM's KillWait default)
+PREEMPTION_CHECK_EVERY = 4  # steps between the processes' agreements on a preemption
 _PREFIX = "jdp/"
 
 
@@ -40,12 +44,16 @@ class _Job:
 
     def __init__(self, state: Any, deadline: float, before_exit: Callable[[float], None]):
         self.client, self.deadline, self.before_exit = state.client, deadline, before_exit
-        self.index, self.count = state.process_id, state.num_processes
+        several = state.client is not None and (state.num_processes or 1) > 1
+        self.index: int = state.process_id if several else 0
+        self.count: int = state.num_processes if several else 1
         self.host = socket.gethostname()
         self.phase: str | None = None  # None: a loop of the user's own (not jdp.fit)
         self.step: int | None = None
         self.calls, self.last_call = 0, time.monotonic()
         self.finished = False
+        self.savers = 0  # jdp.fit loops that save a checkpoint on preemption
+        self.preempted_at: float | None = None
 
     def who(self) -> str:
         return f"process {self.index} of {self.count} on {self.host}"
@@ -56,10 +64,14 @@ class _Job:
         return self.phase + ("" if self.step is None else f" at step {self.step}")
 
     def publish(self, key: str, value: str) -> None:
+        if self.client is None:
+            return
         with contextlib.suppress(Exception):  # the coordinator may be gone already
             self.client.key_value_set(_PREFIX + key, value, allow_overwrite=True)
 
     def read(self, key: str) -> str | None:
+        if self.client is None:
+            return None
         try:
             return self.client.key_value_try_get(_PREFIX + key)
         except Exception:
@@ -84,9 +96,9 @@ _JOB: _Job | None = None
 
 
 def install(deadline: float | None, before_exit: Callable[[float], None]) -> None:
-    """Installs the exception hook, the SIGTERM handler and the watchdog (several processes).
+    """Installs the exception hook, the SIGTERM handler and (several processes) the watchdog.
 
-    In one process only the exception hook: it finishes in-flight checkpoint saves.
+    In one process the exception hook only finishes in-flight checkpoint saves.
     """
     global _JOB
     # JAX's coordination state, read without starting the backend (the
@@ -94,12 +106,12 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
     from jax._src import distributed
 
     state = distributed.global_state
-    if state.client is None or (state.num_processes or 1) < 2:
+    _JOB = _Job(state, deadline or DEFAULT_DEADLINE, before_exit)
+    _on_sigterm(_JOB)
+    if _JOB.count < 2:
         sys.excepthook = _finishing(before_exit)
         return
-    _JOB = _Job(state, deadline or DEFAULT_DEADLINE, before_exit)
     sys.excepthook = _on_exception
-    _on_sigterm(_JOB)
     threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True).start()
     # Registered after JAX's own shutdown hook, so it runs first: a process that
     # finished says so before it waits in JAX's shutdown barrier.
@@ -125,6 +137,52 @@ def phase(name: str, step: int | None = None) -> Iterator[None]:
     # doing, also when an exception leaves it.
     job.phase, job.step = name, step
     yield
+
+
+@contextlib.contextmanager
+def preemptible() -> Iterator[None]:
+    """While inside, SIGTERM asks the loop to save and exit (:func:`preemption_agreed`)."""
+    job = _JOB
+    if job is None:
+        yield
+        return
+    job.savers += 1
+    try:
+        yield
+    finally:
+        job.savers -= 1
+
+
+def preemption_agreed(step: int) -> bool:
+    """Whether the loop should save and exit after ``step``, the same on every process.
+
+    One process: as soon as SIGTERM arrived. Several: every
+    ``PREEMPTION_CHECK_EVERY`` steps the processes exchange whether any of
+    them received it (one tiny collective), so all stop at the same step.
+    """
+    job = _JOB
+    if job is None or job.savers == 0:
+        return False
+    if job.count < 2:
+        return job.preempted_at is not None
+    if step % PREEMPTION_CHECK_EVERY:
+        return False
+    from jax.experimental import multihost_utils
+
+    flag = np.asarray(job.preempted_at is not None, np.int32)
+    return bool(np.any(multihost_utils.process_allgather(flag)))
+
+
+def exit_preempted(step: int, where: str) -> None:
+    """Ends the process after the preemption checkpoint, with "run me again"."""
+    job = _JOB
+    if job is None:  # pragma: no cover - only called after preemption_agreed
+        return
+    job.exit(
+        EXIT_PREEMPTED,
+        f"{job.who()}: preempted (SIGTERM); checkpoint {step} saved in {where}. Exiting with "
+        f"{EXIT_PREEMPTED} (run me again: jdp.launch --max-restarts, SLURM --requeue).",
+    )
 
 
 def _finishing(before_exit: Callable[[float], None]) -> Callable[..., None]:
@@ -162,14 +220,22 @@ def _on_sigterm(job: _Job) -> None:
     signal.set_wakeup_fd(write_fd)
 
     def wait() -> None:
-        while True:
-            data = os.read(read_fd, 64)
-            if signal.SIGTERM in data:
-                job.exit(
-                    EXIT_TERMINATED,
-                    f"{job.who()} received SIGTERM in {job.doing()}; "
-                    "finished pending checkpoint saves and exited.",
-                )
+        while signal.SIGTERM not in os.read(read_fd, 64):
+            pass
+        if job.savers:  # jdp.fit saves a checkpoint at the next agreed step, then exits
+            job.preempted_at = time.monotonic()
+            sys.stderr.write(
+                f"[jdp] {job.who()} received SIGTERM in {job.doing()}: saving a checkpoint "
+                f"after the step in flight (at most {PREEMPTION_GRACE:.0f} s).\n"
+            )
+            sys.stderr.flush()
+            time.sleep(PREEMPTION_GRACE)
+            job.exit(EXIT_TERMINATED, f"{job.who()}: no checkpoint within the grace period.")
+        job.exit(
+            EXIT_TERMINATED,
+            f"{job.who()} received SIGTERM in {job.doing()}; "
+            "finished pending checkpoint saves and exited.",
+        )
 
     threading.Thread(target=wait, name="jdp-sigterm", daemon=True).start()
 

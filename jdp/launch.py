@@ -6,7 +6,8 @@ Each process gets a coordinator on 127.0.0.1 at a free port and the
 variables ``jdp.distributed.initialize()`` reads; its output lines are
 prefixed with its index. If any process fails, the others are stopped
 (SIGTERM, then SIGKILL after a grace period) and the launcher exits with the
-failing code. A job whose processes stop making progress (one waits in a
+failing code, or, with ``--max-restarts K``, starts the whole job again (up to
+K times; the script resumes from its checkpoints). A job whose processes stop making progress (one waits in a
 collective for a step another never runs) ends within about ``--timeout``
 seconds with a message naming them. If the launcher itself is terminated or
 killed, so are its processes. Clusters use their own launchers (srun,
@@ -154,8 +155,56 @@ def launch(
     *,
     timeout: int = DEFAULT_TIMEOUT,
     verbose: bool = False,
+    max_restarts: int = 0,
 ) -> int:
-    """Runs ``script`` in ``processes`` processes; returns the job's exit code."""
+    """Runs ``script`` in ``processes`` processes; returns the job's exit code.
+
+    With ``max_restarts``, a job that fails is stopped and started again, all
+    processes together, up to that many times (torchrun's rule); the script
+    resumes from its checkpoints. A failure at the same step as the one before
+    it is not retried: nothing was gained since.
+    """
+    last_step = None
+    for attempt in range(max_restarts + 1):
+        code, why, tails = _run(script, args, processes, devices_per_process, timeout, verbose)
+        if why:
+            sys.stderr.write(f"[launch] {why}\n")
+        if code == 0 or code == 130 or attempt == max_restarts:
+            break
+        step = _failed_step(tails)
+        if step is not None and step == last_step:
+            sys.stderr.write(
+                f"[launch] the job failed at step {step} again, as in the run before: not "
+                f"restarting it ({attempt} of {max_restarts} restarts used).\n"
+            )
+            break
+        last_step = step
+        at = "" if step is None else f" at step {step}"
+        sys.stderr.write(
+            f"[launch] restart {attempt + 1} of {max_restarts}: the job exited with {code}{at}\n"
+        )
+        sys.stderr.flush()
+    if code != 0 and max_restarts and attempt == max_restarts:
+        sys.stderr.write(f"[launch] giving up after {max_restarts} restart(s).\n")
+    return 1 if code < 0 else code
+
+
+def _failed_step(tails: list[collections.deque]) -> int | None:
+    """The step a process reported failing at ("[jdp] process ... at step N")."""
+    found = [
+        int(m.group(1))
+        for tail in tails
+        for line in tail
+        if (m := _FAILED_AT.search(line)) is not None
+    ]
+    return min(found) if found else None
+
+
+_FAILED_AT = re.compile(r"\[jdp\] process \d+ of \d+ .*? at step (\d+)")
+
+
+def _run(script, args, processes, devices_per_process, timeout, verbose):
+    """One run of the job: ``(exit code, why it was stopped or None, output tails)``."""
     procs = _start(script, args, processes, devices_per_process, timeout)
     tails = [collections.deque(maxlen=200) for _ in procs]
     pumps = []
@@ -187,9 +236,7 @@ def launch(
             f"process(es) {stalled} stopped making progress: the others waited for them at "
             f"exit for {timeout} s (do all processes run the same number of steps?)"
         )
-    if why:
-        sys.stderr.write(f"[launch] {why}\n")
-    return 1 if code < 0 else code
+    return code, why, tails
 
 
 def main(argv=None) -> None:
@@ -207,6 +254,13 @@ def main(argv=None) -> None:
         help="seconds before a job whose processes stopped making progress is ended "
         f"(JAX heartbeats and shutdown barrier; default {DEFAULT_TIMEOUT})",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the whole job this many times after a failure (default 0); the "
+        "script resumes from its checkpoints",
+    )
     parser.add_argument("--verbose", action="store_true", help="show Gloo's connection lines")
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -215,6 +269,8 @@ def main(argv=None) -> None:
         parser.error("--processes and --devices-per-process must be >= 1")
     if ns.timeout < 1:
         parser.error("--timeout must be >= 1")
+    if ns.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     code = launch(
         ns.script,
         ns.args,
@@ -222,6 +278,7 @@ def main(argv=None) -> None:
         ns.devices_per_process,
         timeout=ns.timeout,
         verbose=ns.verbose,
+        max_restarts=ns.max_restarts,
     )
     sys.exit(code)
 

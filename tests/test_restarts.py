@@ -1,0 +1,126 @@
+"""Kill anywhere, resume anywhere (issue #23): jdp.launch --max-restarts, and preemption
+(SIGTERM) saving a checkpoint that a restart resumes bitwise in exact mode."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "tests" / "preempt_run.py")
+STEPS = 30
+
+
+def env(**extra):
+    base = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    return base | {"PYTHONPATH": str(ROOT), **extra}
+
+
+def alone(directory, **extra):
+    return [sys.executable, SCRIPT, str(directory), str(STEPS)], env(
+        JDP_CPU_DEVICES_PER_PROCESS="4", **extra
+    )
+
+
+def launched(directory, processes=2, restarts=0, **extra):
+    cmd = [sys.executable, "-m", "jdp.launch", "--processes", str(processes)]
+    cmd += ["--devices-per-process", str(4 // processes), "--max-restarts", str(restarts)]
+    return [*cmd, SCRIPT, str(directory), str(STEPS)], env(**extra)
+
+
+def run(cmd_env, timeout=240):
+    cmd, environ = cmd_env
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run: 1 process x 4 devices."""
+    directory = tmp_path_factory.mktemp("reference")
+    result = run(alone(directory))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return np.load(directory / "final.npz")
+
+
+def assert_bitwise(directory, reference):
+    final = np.load(directory / "final.npz")
+    assert final.files == reference.files
+    for name in reference.files:
+        np.testing.assert_array_equal(final[name], reference[name], err_msg=name)
+
+
+def test_restarts_after_one_and_two_failures_finish_bitwise(tmp_path, reference):
+    one = tmp_path / "one"
+    one.mkdir()
+    result = run(launched(one, restarts=2, FAIL_AT="1:12"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[launch] restart 1 of 2: the job exited with 1 at step" in result.stderr
+    assert "restart 2 of 2" not in result.stderr
+    assert_bitwise(one, reference)
+    # Two failures, at two steps: the second restart is used too.
+    two = tmp_path / "two"
+    two.mkdir()
+    result = run(launched(two, restarts=2, FAIL_AT="0:8,1:21"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "restart 1 of 2" in result.stderr and "restart 2 of 2" in result.stderr
+    assert_bitwise(two, reference)
+
+
+def test_a_failure_that_repeats_at_the_same_step_is_not_retried_forever(tmp_path):
+    result = run(launched(tmp_path, restarts=3, FAIL_AT="1:12", FAIL_ALWAYS="1"))
+    assert result.returncode != 0
+    assert "[launch] restart 1 of 3" in result.stderr, result.stderr[-3000:]
+    assert "failed at step" in result.stderr and "again, as in the run before" in result.stderr
+    assert "restart 2 of 3" not in result.stderr
+
+
+def wait_for_step(proc, step, timeout=120):
+    """Reads ``proc``'s stdout until the line ``step N`` (or a later one) appears."""
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        words = line.split()
+        if len(words) >= 2 and words[-2] == "step" and int(words[-1]) >= step:
+            return
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"step {step} never came")
+
+
+def test_sigterm_saves_the_last_step_and_the_rerun_finishes_bitwise(tmp_path, reference):
+    cmd, environ = alone(tmp_path)
+    proc = subprocess.Popen(
+        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(proc, 7)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err[-3000:]
+    assert time.monotonic() - sent <= 10
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    printed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("step ")]
+    # The last completed step is saved (printed rows lag one step behind): no step is lost.
+    assert saved[-1] >= printed[-1] >= 7, (saved, printed[-3:])
+    assert f"preempted (SIGTERM); checkpoint {saved[-1]} saved" in err
+    again = run(alone(tmp_path))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_bitwise(tmp_path, reference)
+
+
+def test_preempted_workers_are_restarted_by_the_launcher(tmp_path, reference):
+    cmd, environ = launched(tmp_path, restarts=1)
+    proc = subprocess.Popen(
+        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(proc, 9)
+    for index in range(2):  # the cluster preempts the workers, not the launcher
+        os.kill(int((tmp_path / f"pid-{index}").read_text()), signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err[-3000:]
+    assert "preempted (SIGTERM)" in err and "[launch] restart 1 of 1" in err, err[-3000:]
+    assert_bitwise(tmp_path, reference)
