@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _layout, distributed
 from jdp._replication import replicate, replicate_across, unreplicate
@@ -315,12 +315,15 @@ def _global_copy(tree: PyTree) -> PyTree:
             x = jax.random.key_data(x)
         if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
             return np.asarray(jax.device_get(x))
-        if jax.process_count() > 1 and x.is_fully_addressable:
-            # A per-process copy (the pmap layout): Orbax's own conversion.
-            return ocp.utils.fully_replicated_host_local_array_to_global_array(x)
         if all(axis is None for axis in x.sharding.spec):
             return x  # already a global replicated array (shard_map layout)
-        mesh = x.sharding.mesh
+        # The pmap layout: one global replicated array from every device's row.
+        # Across processes each holds its own devices' rows, so the mesh spans
+        # every process's devices. (Orbax's fully_replicated_host_local_array_
+        # to_global_array does this but keeps the leading axis when a process
+        # has one device: 4 processes x 1 device saved .step as shape (1,).)
+        several = jax.process_count() > 1 and x.is_fully_addressable
+        mesh = Mesh(np.array(jax.devices()), ("x",)) if several else x.sharding.mesh
         rows = [s.data[0] for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
         return jax.make_array_from_single_device_arrays(
             x.shape[1:], NamedSharding(mesh, PartitionSpec()), rows

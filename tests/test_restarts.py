@@ -1,6 +1,7 @@
 """Kill anywhere, resume anywhere (issue #23): jdp.launch --max-restarts, and preemption
 (SIGTERM) saving a checkpoint that a restart resumes bitwise in exact mode."""
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -124,3 +125,50 @@ def test_preempted_workers_are_restarted_by_the_launcher(tmp_path, reference):
     assert proc.returncode == 0, err[-3000:]
     assert "preempted (SIGTERM)" in err and "[launch] restart 1 of 1" in err, err[-3000:]
     assert_bitwise(tmp_path, reference)
+
+
+LAYOUTS = [(1, 4), (2, 2), (4, 1)]
+
+
+def kill_and_resume(directory, rng, kills):
+    """Kills the job ``kills`` times at random (a worker at a random step, or the launcher
+    at a random wall time), relaunching on a random layout each time; then runs it to the
+    end on a random layout. Returns the layouts and kill points used."""
+    history = []
+    for _ in range(kills):
+        processes, _ = LAYOUTS[rng.integers(len(LAYOUTS))]
+        cmd, environ = launched(directory, processes=processes)
+        proc = subprocess.Popen(
+            cmd,
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        if rng.random() < 0.5:  # a worker, after a random step
+            at = int(rng.integers(1, STEPS))
+            with contextlib.suppress(AssertionError):  # it finished (or resumed past) first
+                wait_for_step(proc, at)
+            victim = int(rng.integers(processes))
+            pid_file = directory / f"pid-{victim}"
+            if proc.poll() is None and pid_file.exists():
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            history.append((processes, f"worker {victim} at step {at}"))
+        else:  # the launcher, from outside, at a random instant
+            seconds = float(rng.uniform(2.0, 9.0))
+            time.sleep(seconds)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            history.append((processes, f"launcher after {seconds:.1f} s"))
+        proc.communicate(timeout=120)
+    processes, _ = LAYOUTS[rng.integers(len(LAYOUTS))]
+    result = run(launched(directory, processes=processes))
+    assert result.returncode == 0, (history, result.stderr[-3000:])
+    return history + [(processes, "to the end")]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_killed_anywhere_resumed_on_any_layout_is_bitwise(tmp_path, reference, seed):
+    history = kill_and_resume(tmp_path, np.random.default_rng(seed), kills=2)
+    assert_bitwise(tmp_path, reference), history
