@@ -16,6 +16,7 @@ mpirun, Kubernetes).
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import os
 import re
@@ -35,6 +36,7 @@ from jdp.distributed import (
 )
 
 GRACE_SECONDS = 5.0
+PREEMPTION_GRACE = 35.0  # a little over the processes' own (jdp._watchdog): 30 s
 DEFAULT_TIMEOUT = 120
 # Gloo prints one line per rank and connection (two ranks' lines can
 # interleave mid-line); shown with --verbose.
@@ -65,17 +67,28 @@ def _pump(stream, prefix: str, sink, tail: collections.deque, verbose: bool) -> 
     stream.close()
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], grace: float = GRACE_SECONDS) -> None:
+    """SIGTERM to every process group, then SIGKILL after ``grace`` seconds.
+
+    A process that already exited may have left children (data loaders,
+    loggers) in its group: every group is signalled, not only live workers'.
+    """
     for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_SECONDS
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            p.kill()
             p.wait()
+    for p in procs:  # what is left of each group once its leader is gone
+        _signal_group(p.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
 
 
 def _stalled(tails: list[collections.deque], processes: int) -> list[int]:
@@ -161,31 +174,31 @@ def launch(
 
     With ``max_restarts``, a job that fails is stopped and started again, all
     processes together, up to that many times (torchrun's rule); the script
-    resumes from its checkpoints. A failure at the same step as the one before
-    it is not retried: nothing was gained since.
+    resumes from its checkpoints. Giving up, it says whether every failure was
+    at the same step (a failure that restarts cannot get past).
     """
-    last_step = None
+    steps: list[int | None] = []
     for attempt in range(max_restarts + 1):
         code, why, tails = _run(script, args, processes, devices_per_process, timeout, verbose)
         if why:
             sys.stderr.write(f"[launch] {why}\n")
-        if code == 0 or code == 130 or attempt == max_restarts:
+        if code in (0, 130):  # done, or the launcher itself was interrupted
             break
-        step = _failed_step(tails)
-        if step is not None and step == last_step:
-            sys.stderr.write(
-                f"[launch] the job failed at step {step} again, as in the run before: not "
-                f"restarting it ({attempt} of {max_restarts} restarts used).\n"
-            )
+        steps.append(_failed_step(tails))
+        at = "" if steps[-1] is None else f" at step {steps[-1]}"
+        if attempt == max_restarts:
+            if max_restarts:
+                same = len(set(steps)) == 1 and steps[0] is not None
+                sys.stderr.write(
+                    f"[launch] giving up after {max_restarts} restart(s): the job failed "
+                    + (f"at step {steps[0]} every time" if same else f"again{at}")
+                    + ".\n"
+                )
             break
-        last_step = step
-        at = "" if step is None else f" at step {step}"
         sys.stderr.write(
             f"[launch] restart {attempt + 1} of {max_restarts}: the job exited with {code}{at}\n"
         )
         sys.stderr.flush()
-    if code != 0 and max_restarts and attempt == max_restarts:
-        sys.stderr.write(f"[launch] giving up after {max_restarts} restart(s).\n")
     return 1 if code < 0 else code
 
 
@@ -220,12 +233,15 @@ def _run(script, args, processes, devices_per_process, timeout, verbose):
         raise KeyboardInterrupt
 
     previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    grace = GRACE_SECONDS
     try:
         code, why = _watch(procs, timeout)
     except KeyboardInterrupt:
-        code, why = 130, "interrupted; stopping every process"
+        # Interrupted (Ctrl-C, SIGTERM): jdp.fit saves a last checkpoint on the
+        # SIGTERM it now receives, which may take a few steps; wait for it.
+        code, why, grace = 130, "interrupted; stopping every process", PREEMPTION_GRACE
     finally:
-        _stop(procs)
+        _stop(procs, grace)
         for t in pumps:
             t.join(timeout=2)
         for s, handler in previous.items():
