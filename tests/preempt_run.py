@@ -2,12 +2,14 @@
 
 python tests/preempt_run.py DIR STEPS   (alone, or under python -m jdp.launch)
 
-Trains an MLP in exact mode (the same bits on any layout) with fit, saving to
+Trains an MLP in exact mode (the same bits on any layout; the ordinary step
+with $ORDINARY=1) with fit, saving to
 DIR/ckpt every 5 steps and resuming from it; prints "step N" after every step
 (slowly, so a test can send a signal mid-run) and writes the final params to
 DIR/final.npz. Each process writes its pid to DIR/pid-<index>. With
 $FAIL_AT="P:S[,P:S...]", process P raises at step S, once per DIR (a marker
-file remembers it) unless $FAIL_ALWAYS is set.
+file remembers it) unless $FAIL_ALWAYS is set. With $RECORD=PATH each process
+appends each batch's iterator position and example ids to PATH-<index>.
 """
 
 import os
@@ -46,12 +48,39 @@ def failing_callback(directory):
     return callback
 
 
+class Recorded:
+    """A BatchIterator that appends each batch's example ids to a log ($RECORD)."""
+
+    def __init__(self, data, log):
+        self.data, self.log = data, log
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.data)
+        with open(self.log, "a") as f:
+            f.write(f"{self.data.get_state()['iteration']} {batch['id'].tolist()}\n")
+        return batch
+
+    def get_state(self):
+        return self.data.get_state()
+
+    def set_state(self, state):
+        self.data.set_state(state)
+
+
 def main(directory, steps):
     directory = pathlib.Path(directory)
     (directory / f"pid-{jax.process_index()}").write_text(str(os.getpid()))
-    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(8)))
+    ordinary = os.environ.get("ORDINARY") == "1"
+    strategy = jdp.strategies.data_parallel() if ordinary else jdp.strategies.exact(8)
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=strategy))
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2)))
-    data = jdp.BatchIterator(models.regression_batch(256, seed=7), 32, seed=3)
+    examples = models.regression_batch(256, seed=7)
+    data = jdp.BatchIterator({**examples, "id": np.arange(256)}, 32, seed=3)
+    if os.environ.get("RECORD"):
+        data = Recorded(data, f"{os.environ['RECORD']}-{jax.process_index()}")
 
     def report(row):
         print("step", row["step"], flush=True)
