@@ -94,21 +94,8 @@ def fit(
     _check_fit_args(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
-    history = History()
-    if checkpointer is not None and checkpointer.latest_step() is not None:
-        state, history = _resume(checkpointer, state, train_data)
+    state, history = _start(state, train_data, num_steps, checkpointer)
     step = _step_of(state)
-    if step > num_steps:
-        raise ValueError(
-            f"fit: the state is at step {step}"
-            + (
-                f" (restored from {checkpointer.directory})"
-                if checkpointer is not None and history.resumed_at
-                else ""
-            )
-            + f", past num_steps={num_steps}; fit would return it unchanged. Pass "
-            f"num_steps >= {step}, or a fresh checkpoint directory to train from the start."
-        )
     # Prefetching reads ahead; carry each batch's iterator position with it
     # so hooks and checkpoints see the position of the batch just trained on.
     batches = prefetch_to_device(
@@ -133,28 +120,52 @@ def fit(
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
                 rows.hold(step, metrics)
-            if (
-                eval_step is not None
-                and eval_data is not None
-                and _due(step, num_steps, eval_every)
-            ):
-                rows.flush()
-                with _watchdog.phase("evaluation", step):
-                    rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
-            if checkpointer is None:
-                continue
-            due = _due(step, num_steps, checkpoint_every)
-            if due:
-                _save(checkpointer, step, state, position, history, rows)
-            if _watchdog.preemption_agreed(step):  # SIGTERM: save this step, exit "run me again"
-                if not due:
+            if eval_step is not None and _due(step, num_steps, eval_every):
+                _evaluate(eval_step, eval_data, state, step, rows)
+            if checkpointer is not None:
+                saved = _due(step, num_steps, checkpoint_every)
+                if saved:
                     _save(checkpointer, step, state, position, history, rows)
-                checkpointer.wait_until_finished()
-                _watchdog.exit_preempted(step, str(checkpointer.directory))
+                if _watchdog.preemption_agreed(step):
+                    _preempted(checkpointer, step, state, position, history, rows, saved)
         rows.flush()
     if checkpointer is not None:
         checkpointer.wait_until_finished()
     return state, history
+
+
+def _start(
+    state: PyTree, train_data, num_steps: int, checkpointer: Checkpointer | None
+) -> tuple[PyTree, History]:
+    """The state and history to start from: the latest checkpoint's, if there is one."""
+    history = History()
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        state, history = _resume(checkpointer, state, train_data)
+    step = _step_of(state)
+    if step > num_steps:
+        where = ""
+        if checkpointer is not None and history.resumed_at:
+            where = f" (restored from {checkpointer.directory})"
+        raise ValueError(
+            f"fit: the state is at step {step}{where}, past num_steps={num_steps}; fit would "
+            f"return it unchanged. Pass num_steps >= {step}, or a fresh checkpoint directory "
+            "to train from the start."
+        )
+    return state, history
+
+
+def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows") -> None:
+    rows.flush()
+    with _watchdog.phase("evaluation", step):
+        rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
+
+
+def _preempted(checkpointer, step, state, position, history, rows, saved: bool) -> None:
+    """SIGTERM, agreed by every process: save this step (unless just saved) and exit 75."""
+    if not saved:
+        _save(checkpointer, step, state, position, history, rows)
+    checkpointer.wait_until_finished()
+    _watchdog.exit_preempted(step, str(checkpointer.directory))
 
 
 def _save(checkpointer: Checkpointer, step: int, state, position, history: History, rows) -> None:

@@ -122,22 +122,8 @@ def exact_gradients(
       axis_name: the data axis.
     """
     n = lax.axis_size(axis_name)
-    micro = _virtual_replicas_here(batch, virtual_replicas, n)
     per_device = virtual_replicas // n
-    first = lax.axis_index(axis_name) * per_device
-
-    outs = _each_virtual_replica(
-        lambda j, micro_batch: forward(
-            state,
-            state.params,
-            state.model_state,
-            micro_batch,
-            None if rng is None else jax.random.fold_in(rng, first + j),
-        ),
-        micro,
-        per_device,
-        opaque_zero=(state.step < 0).astype(jnp.int32),
-    )
+    outs = _this_devices_virtual_replicas(forward, state, batch, rng, virtual_replicas, axis_name)
     weighted = outs.weight is not None
     weights = outs.weight if weighted else jnp.ones((per_device,), jnp.float32)
     zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
@@ -174,6 +160,33 @@ def exact_gradients(
     # step, so summing it over devices gives the global weight.
     mine = shared_weight if weighted else None
     return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
+
+
+def _this_devices_virtual_replicas(
+    forward: Forward,
+    state: TrainState,
+    batch: PyTree,
+    rng: jax.Array | None,
+    virtual_replicas: int,
+    axis_name: str,
+):
+    """Each of this device's virtual replicas' contribution, stacked; keys by global index."""
+    n = lax.axis_size(axis_name)
+    micro = _virtual_replicas_here(batch, virtual_replicas, n)
+    per_device = virtual_replicas // n
+    first = lax.axis_index(axis_name) * per_device
+    return _each_virtual_replica(
+        lambda j, micro_batch: forward(
+            state,
+            state.params,
+            state.model_state,
+            micro_batch,
+            None if rng is None else jax.random.fold_in(rng, first + j),
+        ),
+        micro,
+        per_device,
+        opaque_zero=(state.step < 0).astype(jnp.int32),
+    )
 
 
 def _virtual_replicas_here(batch: PyTree, virtual_replicas: int, n: int) -> PyTree:
