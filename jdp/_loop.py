@@ -107,10 +107,10 @@ def fit(
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task)
         while step < num_steps:
-            with _watchdog.phase("data loading", step + 1):
-                batch, (position, examples, epoch) = _next(batches, step, num_steps)
-            with _watchdog.phase("the training step", step + 1):
-                state, metrics = train_step(state, batch)
+            _watchdog.set_phase("data loading", step + 1)
+            batch, (position, examples, epoch) = _next(batches, step, num_steps)
+            _watchdog.set_phase("the training step", step + 1)
+            state, metrics = train_step(state, batch)
             step += 1
             # The last logged step's metrics are read now, while this step runs:
             # reading them at once would drain the device queue every log_every steps.
@@ -156,8 +156,8 @@ def _start(
 
 def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows") -> None:
     rows.flush()
-    with _watchdog.phase("evaluation", step):
-        rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
+    _watchdog.set_phase("evaluation", step)
+    rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
 
 
 def _preempted(checkpointer, step, state, position, history, rows, saved: bool) -> None:
@@ -171,8 +171,8 @@ def _preempted(checkpointer, step, state, position, history, rows, saved: bool) 
 def _save(checkpointer: Checkpointer, step: int, state, position, history: History, rows) -> None:
     rows.flush()
     extra = {"data": position, "history": dataclasses.asdict(history)}
-    with _watchdog.phase("a checkpoint save", step):
-        checkpointer.save(step, state, extra=extra)
+    _watchdog.set_phase("a checkpoint save", step)
+    checkpointer.save(step, state, extra=extra)
 
 
 def _next(batches, step: int, num_steps: int):

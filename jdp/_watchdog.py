@@ -7,7 +7,7 @@ loop early: the others wait in a collective, and JAX's shutdown barrier waits
 process of a multi-process job
 
 - report an uncaught exception with its process index, host and what it was
-  doing (``phase``), publish that in JAX's key-value store, finish in-flight
+  doing (:func:`set_phase`), publish that in JAX's key-value store, finish in-flight
   checkpoint saves (bounded) and exit at once, so the collectives of the
   others fail and they exit too, naming the process that failed;
 - end on SIGTERM (cancellation, preemption) within seconds, even while the main
@@ -126,17 +126,15 @@ def note_step() -> None:
         job.last_call = time.monotonic()
 
 
-@contextlib.contextmanager
-def phase(name: str, step: int | None = None) -> Iterator[None]:
-    """Marks what this process is doing, named in failure messages (no-op in one process)."""
+def set_phase(name: str, step: int | None = None) -> None:
+    """Records what this process is doing now, named in failure messages.
+
+    Kept until the next call: the last phase entered is what the process was
+    doing, also when an exception leaves it.
+    """
     job = _JOB
-    if job is None:
-        yield
-        return
-    # Not restored afterwards: the last phase entered is what the process was
-    # doing, also when an exception leaves it.
-    job.phase, job.step = name, step
-    yield
+    if job is not None:
+        job.phase, job.step = name, step
 
 
 @contextlib.contextmanager
