@@ -52,6 +52,8 @@ class _Job:
         self.step: int | None = None
         self.calls, self.last_call = 0, time.monotonic()
         self.finished = False
+        self.stopped = threading.Event()
+        self.watcher: threading.Thread | None = None
         self.savers = 0  # jdp.fit loops that save a checkpoint on preemption
         self.preempted_at: float | None = None
 
@@ -112,7 +114,8 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
         sys.excepthook = _finishing(before_exit)
         return
     sys.excepthook = _on_exception
-    threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True).start()
+    _JOB.watcher = threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True)
+    _JOB.watcher.start()
     # Registered after JAX's own shutdown hook, so it runs first: a process that
     # finished says so before it waits in JAX's shutdown barrier.
     atexit.register(_finish)
@@ -241,18 +244,17 @@ def _on_sigterm(job: _Job) -> None:
 def _watch(job: _Job) -> None:
     """Publishes progress, follows another process's failure, detects a stall.
 
-    It keeps running after this process finished its loop: there it waits in
-    JAX's shutdown barrier, and a failure of the others ends it too.
+    It stops when this process finishes (:func:`_finish`, at exit): JAX then
+    shuts its coordination client down, and a call through it from this thread
+    would abort the process (measured: "FATAL: exception not rethrown").
     """
     period = min(2.0, job.deadline / 4)
-    while True:
-        time.sleep(period)
-        if not job.finished:
-            job.publish(f"progress/{job.index}", f"{job.calls} step calls, {job.doing()}")
+    while not job.stopped.wait(period):
+        job.publish(f"progress/{job.index}", f"{job.calls} step calls, {job.doing()}")
         failed = job.read("failed")
         if failed is not None and not failed.startswith(job.who()):
             job.exit(EXIT_FAILED, f"{job.who()}: ending the job because {failed}")
-        if job.calls and not job.finished and time.monotonic() - job.last_call > job.deadline:
+        if job.calls and time.monotonic() - job.last_call > job.deadline:
             _stalled(job)
 
 
@@ -274,4 +276,7 @@ def _finish() -> None:
     if job is None or job.finished:
         return
     job.finished = True
+    job.stopped.set()
+    if job.watcher is not None:
+        job.watcher.join(timeout=10)  # no call of its in flight when JAX shuts down
     job.publish(f"progress/{job.index}", f"finished after {job.calls} step calls")
