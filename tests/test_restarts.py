@@ -264,3 +264,42 @@ def test_the_ordinary_step_resumes_the_same_samples_in_the_same_order(tmp_path):
     reference, final = np.load(ref_dir / "final.npz"), np.load(killed_dir / "final.npz")
     for name in reference.files:
         np.testing.assert_allclose(final[name], reference[name], rtol=1e-6, err_msg=name)
+
+
+def _slurm_up():
+    from tests.test_failfast import _slurm_up as up
+
+    return up()
+
+
+@pytest.mark.skipif(not _slurm_up(), reason="no SLURM controller")
+def test_sbatch_requeue_resumes_a_preempted_job_bitwise(tmp_path, reference):
+    """docs/checkpointing.md's batch script, on CPU: SIGTERM to the job's tasks (as
+    --signal or scancel -s TERM send it) -> checkpoint, exit 75 -> scontrol requeue -> the
+    requeued job (SLURM starts it about 2 minutes later) resumes and ends bitwise."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --requeue --signal=TERM@120 --open-mode=append --output={tmp_path}/out.txt\n"
+        f"export PYTHONPATH={ROOT} JDP_CPU_DEVICES_PER_PROCESS=4\n"
+        f"srun {sys.executable} {SCRIPT} {tmp_path} {STEPS}\n"
+        "code=$?\n"
+        'if [ "$code" -eq 75 ]; then scontrol requeue "$SLURM_JOB_ID"; fi\n'
+        'exit "$code"\n'
+    )
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
+    assert job.returncode == 0, job.stderr
+    job_id = job.stdout.strip().split(";")[0]
+    out = tmp_path / "out.txt"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "step 7" not in (out.read_text() if out.exists() else ""):
+        time.sleep(0.5)
+    subprocess.run(["scancel", "-s", "TERM", job_id], check=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not (tmp_path / "final.npz").exists():
+        time.sleep(1)
+    log = out.read_text()
+    assert (tmp_path / "final.npz").exists(), log[-3000:]
+    assert "Exiting with 75" in log, log[-3000:]
+    time.sleep(1)  # final.npz is written before the process exits
+    assert_bitwise(tmp_path, reference)
