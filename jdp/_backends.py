@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _layout, _tree, _watchdog
@@ -97,6 +98,7 @@ class PmapStep:
         _check_axis_name(step, axis_name, "pmap")
         check_initialized()
         self.step: PerReplicaStep = step
+        self._has_options = step.compiler_options is not None
         # devices=None maps over every process's devices; each process feeds
         # and receives arrays over its local ones.
         self.devices = list(devices) if devices is not None else jax.local_devices()
@@ -110,15 +112,22 @@ class PmapStep:
         # so there they run on every call.
         self._per_call_checks = jax.process_count() > 1
         if self._per_call_checks:
-            self._fn = jax.pmap(
-                step,
-                axis_name=axis_name,
-                devices=None if devices is None else self.devices,
-                donate_argnums=donate,
-            )
+            if step.compiler_options is None:
+                self._fn = jax.pmap(
+                    step,
+                    axis_name=axis_name,
+                    devices=None if devices is None else self.devices,
+                    donate_argnums=donate,
+                )
+            else:
+                self._fn = _AcrossProcesses(step, devices, axis_name)
+                donate = ()
         else:
             mesh = Mesh(np.asarray(self.devices), (axis_name,))
             self._fn = _jit_pmap_layout(step, mesh, donate, self._batch_sharding)
+            self._fn_traced = _jit_pmap_layout(
+                step, mesh, donate, self._batch_sharding, options=False
+            )
         # Reusing donated buffers crashes multi-device executions on XLA:CPU
         # (JAX 0.10.2: segfault); one device raises, and _call explains it.
         self._guard_donated = bool(donate) and n > 1
@@ -127,7 +136,11 @@ class PmapStep:
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
         if self._per_call_checks:
             _check_pmap_inputs(state, batch, len(self.devices))
-        return _call(self._fn, state, batch, self.axis_name, "pmap", self._guard_donated)
+        fn = self._fn
+        if self._has_options and _traced(state):
+            _warn_options_lost(self.step)
+            fn = getattr(self, "_fn_traced", fn)  # a nested jit takes no compiler options
+        return _call(fn, state, batch, self.axis_name, "pmap", self._guard_donated)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
@@ -173,6 +186,7 @@ class ShardMapStep:
         _check_axis_name(step, axis_name, "shard_map")
         check_initialized()
         self.step: PerReplicaStep = step
+        self._has_options = step.compiler_options is not None
         if mesh is None:
             mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
         if mesh.axis_names != (axis_name,):
@@ -184,12 +198,17 @@ class ShardMapStep:
         self.axis_name = axis_name
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
         donate = _donation(step, donate_state, "shard_map")
-        self._fn = jax.jit(self._run, donate_argnums=donate)
+        self._fn = jax.jit(self._run, donate_argnums=donate, compiler_options=step.compiler_options)
+        self._fn_traced = jax.jit(self._run, donate_argnums=donate)
         self._guard_donated = bool(donate) and mesh.size > 1
         warn_if_cpu_pool_unsafe(mesh.size)
 
     def __call__(self, state: PyTree, batch: PyTree) -> tuple[PyTree, PyTree]:
-        return _call(self._fn, state, batch, self.axis_name, "shard_map", self._guard_donated)
+        fn = self._fn
+        if self._has_options and _traced(state):
+            _warn_options_lost(self.step)
+            fn = getattr(self, "_fn_traced", fn)  # a nested jit takes no compiler options
+        return _call(fn, state, batch, self.axis_name, "shard_map", self._guard_donated)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
         """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
@@ -337,7 +356,11 @@ def shard_map(
 
 
 def _jit_pmap_layout(
-    step: PerReplicaStep, mesh: Mesh, donate: tuple[int, ...], layout: NamedSharding
+    step: PerReplicaStep,
+    mesh: Mesh,
+    donate: tuple[int, ...],
+    layout: NamedSharding,
+    options: bool = True,
 ) -> Callable[[PyTree, PyTree], Any]:
     """The pmap layout run by ``jax.jit`` + ``jax.shard_map`` in one process.
 
@@ -360,7 +383,41 @@ def _jit_pmap_layout(
         return mapped(state, batch)
 
     # Outputs keep jdp.replicate's sharding, so they read as the pmap layout.
-    return jax.jit(run, donate_argnums=donate, out_shardings=layout)
+    return jax.jit(
+        run,
+        donate_argnums=donate,
+        out_shardings=layout,
+        compiler_options=step.compiler_options if options else None,
+    )
+
+
+class _AcrossProcesses:
+    """The pmap layout across processes as ``jax.jit`` of ``jax.shard_map``, with XLA options.
+
+    For steps whose strategy needs compiler options (``jax.pmap`` takes
+    none): each process's rows become one global array over every process's
+    devices, process by process as ``jax.pmap`` orders them, and back. The
+    state is not donated: the global arrays share the rows' buffers.
+    """
+
+    def __init__(self, step: PerReplicaStep, devices: Sequence[jax.Device] | None, axis_name: str):
+        if devices is None:
+            devices = [d for p in range(jax.process_count()) for d in jax.local_devices(p)]
+        self._mesh = Mesh(np.asarray(devices), (axis_name,))
+        self._spec = PartitionSpec(axis_name)
+        self._jitted = _jit_pmap_layout(step, self._mesh, (), NamedSharding(self._mesh, self._spec))
+
+    def _global(self, state: PyTree, batch: PyTree) -> Any:
+        return multihost_utils.host_local_array_to_global_array(
+            (state, batch), self._mesh, self._spec
+        )
+
+    def __call__(self, state: PyTree, batch: PyTree) -> Any:
+        out = self._jitted(*self._global(state, batch))
+        return multihost_utils.global_array_to_host_local_array(out, self._mesh, self._spec)
+
+    def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
+        return self._jitted.lower(*self._global(state, batch))  # type: ignore[attr-defined]
 
 
 def _check_pmap_inputs(state: PyTree, batch: PyTree, n: int) -> None:
@@ -380,6 +437,22 @@ def _check_global_batch(batch: PyTree, n: int) -> None:
             UserWarning,
             stacklevel=2,
         )
+
+
+def _traced(state: PyTree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state))
+
+
+def _warn_options_lost(step: PerReplicaStep) -> None:
+    """An outer transform (jax.jit) compiles the step: the strategy's options are that jit's to pass."""
+    name = step.strategy.name if isinstance(step, TrainStep) else type(step).__name__
+    warnings.warn(
+        f"This jdp step's strategy ({name}) needs XLA options that jdp passes "
+        "when it compiles the step, but an outer transform (jax.jit) is compiling it here; "
+        "without them the result may differ by device count. Pass them to your jit (then "
+        f"this warning is all that is left): jax.jit(f, compiler_options={step.compiler_options!r}).",
+        stacklevel=3,
+    )
 
 
 def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard: bool):

@@ -50,6 +50,11 @@ class TrainStep:
             return self.strategy.place(tree, placement)
         return placement.replicate(tree)
 
+    @property
+    def compiler_options(self) -> dict[str, str] | None:
+        """The XLA options the strategy needs the step compiled with, or None."""
+        return dict(self.strategy.compiler_options) or None
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalStep:
@@ -67,6 +72,8 @@ class EvalStep:
 
     def place(self, tree: PyTree, placement: Placement) -> PyTree:
         return placement.replicate(tree)
+
+    compiler_options: ClassVar[None] = None
 
 
 PerReplicaStep = TrainStep | EvalStep

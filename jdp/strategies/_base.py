@@ -2,10 +2,10 @@
 
 A :class:`Strategy` is a named tuple of pure functions, built by small
 constructors (``data_parallel``, ``zero1``, ``exact``) the way optax builds a
-``GradientTransformation``. It owns the four things that differ between modes:
+``GradientTransformation``. It owns the five things that differ between modes:
 the gradient reduction (``gradients``), the update (``update``), the norm a
-global-norm clip must use (``global_norm``) and how a state is placed on
-devices (``place``); checkpoints and ``unreplicate`` read a placed state
+global-norm clip must use (``global_norm``), how a state is placed on
+devices (``place``) and how XLA must compile the step (``compiler_options``); checkpoints and ``unreplicate`` read a placed state
 through :class:`jdp._layout.PerReplica`. The step, the backends, replication,
 checkpoints and the loop call these and know no mode.
 
@@ -70,6 +70,9 @@ class Strategy(NamedTuple):
       global_norm: ``(grads, params, axis_name) -> norm`` of the reduced
         gradients as this strategy holds them.
       place: ``(state, placement) -> state`` on the devices.
+      compiler_options: XLA options the backend compiles the step with, as
+        ``(name, value)`` pairs (exact mode needs the same optimization
+        passes on every device count; ``docs/exact.md``).
     """
 
     name: str
@@ -77,6 +80,7 @@ class Strategy(NamedTuple):
     update: UpdateFn
     global_norm: NormFn
     place: PlaceFn
+    compiler_options: tuple[tuple[str, str], ...] = ()
 
 
 class Communication(NamedTuple):

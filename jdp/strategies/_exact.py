@@ -58,7 +58,24 @@ def exact(virtual_replicas: int) -> Strategy:
         rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
         return exact_gradients(forward, state, batch, rng, virtual_replicas, axis_name)
 
-    return Strategy("exact", gradients, whole_state_update("exact"), plain_norm, replicate_state)
+    return Strategy(
+        "exact",
+        gradients,
+        whole_state_update("exact"),
+        plain_norm,
+        replicate_state,
+        compiler_options=SAME_PASSES_ON_EVERY_DEVICE_COUNT,
+    )
+
+
+# XLA compiles a one-device program without its SPMD partitioner, whose
+# clean-up merges duplicate operations (CSE) before the algebraic simplifier
+# runs; the simplifier's rewrites depend on how many users an operation has
+# (``A / broadcast(B)`` in attention's softmax became ``A * (1 / B)`` at n = 1
+# only: Flax SelfAttention's gradients 3e-13 off, Adam 2.5e-4 after 4 steps).
+# Without CSE every device count compiles the same graph (measured:
+# shared/reviews/exact_probe.py and the model zoo bitwise at n = 1, 2, 4, 8).
+SAME_PASSES_ON_EVERY_DEVICE_COUNT = (("xla_disable_hlo_passes", "cse"),)
 
 
 def check_virtual_replicas(virtual_replicas: object) -> None:

@@ -1,0 +1,195 @@
+"""The exact-mode model zoo: every model family researchers train, as check_exact inputs.
+
+Each family is a function returning ``(make_step, state, batches)`` for
+:func:`jdp.testing.check_exact`: a few steps of a small model on fixed data.
+tests/test_zoo.py runs every family on 1, 2, 4 and 8 devices under both
+backends; tests/multiprocess_zoo.py runs them on 2 processes x 2 devices.
+"""
+
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jdp
+import jdp.nnx
+
+G = 8  # virtual replicas
+STEPS = 3
+
+
+def _exact(loss_fn, **kwargs) -> Callable[[], jdp.TrainStep]:
+    return lambda: jdp.make_train_step(loss_fn, strategy=jdp.strategies.exact(G), **kwargs)
+
+
+def mlp():
+    """An MLP with dropout; Adam behind a global-norm clip."""
+    r = np.random.RandomState(0)
+    params = {
+        "w1": jnp.asarray(r.randn(6, 32) / 3, jnp.float32),
+        "b1": jnp.zeros(32, jnp.float32),
+        "w2": jnp.asarray(r.randn(32, 3) / 6, jnp.float32),
+    }
+
+    def loss_fn(p, batch, rng):
+        h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+        h = jnp.where(jax.random.bernoulli(rng, 0.9, h.shape), h / 0.9, 0.0)
+        return jnp.mean((h @ p["w2"] - batch["y"]) ** 2)
+
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    state = jdp.TrainState.create(params=params, tx=tx, rng=jax.random.key(0))
+    batches = [
+        {"x": r.randn(64, 6).astype(np.float32), "y": r.randn(64, 3).astype(np.float32)}
+        for _ in range(STEPS)
+    ]
+    return _exact(loss_fn, has_rng=True), state, batches
+
+
+class ConvNet(nn.Module):
+    """Conv -> BatchNorm -> ReLU -> Conv -> pool -> Dropout -> Dense."""
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(x))
+        x = nn.relu(nn.Conv(16, (3, 3), strides=(2, 2))(x))
+        x = nn.Dropout(0.25, deterministic=not train)(x.mean(axis=(1, 2)))
+        return nn.Dense(10)(x)
+
+
+def cnn():
+    """A CNN with batch norm and dropout; SGD with momentum under a dynamic loss scale."""
+    r = np.random.RandomState(1)
+    variables = ConvNet().init(jax.random.key(1), jnp.zeros((1, 8, 8, 1)), train=False)
+
+    def loss_fn(params, batch, model_state, rng):
+        logits, updates = ConvNet().apply(
+            {"params": params, "batch_stats": model_state},
+            batch["image"],
+            train=True,
+            rngs={"dropout": rng},
+            mutable=["batch_stats"],
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        return loss.mean(), updates["batch_stats"]
+
+    state = jdp.TrainState.create(
+        params=variables["params"],
+        tx=optax.sgd(0.05, momentum=0.9),
+        model_state=variables["batch_stats"],
+        rng=jax.random.key(2),
+        loss_scale=jdp.DynamicLossScale(jnp.float32(2.0**12), period=2),
+    )
+    batches = [
+        {
+            "image": r.randn(32, 8, 8, 1).astype(np.float32),
+            "label": r.randint(0, 10, 32).astype(np.int32),
+        }
+        for _ in range(STEPS)
+    ]
+    return _exact(loss_fn, has_model_state=True, has_rng=True), state, batches
+
+
+VOCAB, LENGTH, WIDTH = 64, 16, 64
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention (4 heads, dropout) and a GELU MLP."""
+
+    @nn.compact
+    def __call__(self, x, mask, train: bool):
+        # SelfAttention's successor (Flax deprecates SelfAttention): the same computation.
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=4, qkv_features=WIDTH, dropout_rate=0.1, deterministic=not train
+        )(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.Dropout(0.1, deterministic=not train)(h)
+        h = nn.Dense(4 * WIDTH)(nn.LayerNorm()(x))
+        return x + nn.Dense(WIDTH)(nn.gelu(h))
+
+
+class LM(nn.Module):
+    """A 2-layer causal transformer LM: token embedding + learned positions."""
+
+    @nn.compact
+    def __call__(self, tokens, train: bool = False):
+        positions = self.param("positions", nn.initializers.normal(0.02), (LENGTH, WIDTH))
+        x = nn.Embed(VOCAB, WIDTH)(tokens) + positions[: tokens.shape[1]]
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(2):
+            x = Block()(x, mask, train)
+        return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def lm_batches(count, size=32, seed=2):
+    """Token sequences of random length, padded to LENGTH + 1 (``valid`` marks real targets)."""
+    r = np.random.RandomState(seed)
+    out = []
+    for _ in range(count):
+        lengths = r.randint(4, LENGTH + 1, size)
+        out.append(
+            {
+                "tokens": r.randint(1, VOCAB, (size, LENGTH + 1)).astype(np.int32),
+                "valid": np.arange(LENGTH)[None] < lengths[:, None],
+            }
+        )
+    return out
+
+
+def lm_loss(params, batch, rng):
+    """Per-token cross-entropy over the real tokens of padded sequences."""
+    logits = LM().apply(
+        {"params": params}, batch["tokens"][:, :-1], train=True, rngs={"dropout": rng}
+    )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["tokens"][:, 1:])
+    return jdp.weighted_mean(loss, batch["valid"])
+
+
+def transformer():
+    """The causal LM with dropout and a per-token WeightedLoss; AdamW."""
+    params = LM().init(jax.random.key(3), jnp.zeros((1, LENGTH), jnp.int32))["params"]
+    state = jdp.TrainState.create(
+        params=params, tx=optax.adamw(1e-3, weight_decay=0.01), rng=jax.random.key(4)
+    )
+    return _exact(lm_loss, has_rng=True), state, lm_batches(STEPS)
+
+
+class NnxNet(nnx.Module):
+    """Flax NNX: Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(6, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))
+
+
+def nnx_model():
+    """An NNX model with batch norm and dropout; plain SGD."""
+    graphdef, params, model_state = jdp.nnx.split(NnxNet(nnx.Rngs(5)))
+
+    def loss_fn(p, batch, model_state, rng):
+        model = jdp.nnx.merge(graphdef, p, model_state, rng=rng)
+        model.train()
+        logits = model(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, jdp.nnx.state(model, model_state)
+
+    state = jdp.TrainState.create(
+        params=params, tx=optax.sgd(0.1), model_state=model_state, rng=jax.random.key(6)
+    )
+    r = np.random.RandomState(7)
+    batches = [
+        {"x": r.randn(32, 6).astype(np.float32), "label": r.randint(0, 4, 32).astype(np.int32)}
+        for _ in range(STEPS)
+    ]
+    return _exact(loss_fn, has_model_state=True, has_rng=True), state, batches
+
+
+FAMILIES = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "nnx": nnx_model}
