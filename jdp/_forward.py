@@ -8,6 +8,7 @@ gradients are taken. :func:`accumulate` sums micro-batches. Strategies
 """
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jdp._batching import AXIS_NAME, batch_size
+from jdp._collectives import shape_refusing_collectives
 from jdp._metrics import RESERVED_METRICS
 from jdp._precision import Policy
 from jdp._state import TrainState
@@ -81,13 +83,19 @@ def make_forward(
 
 
 def accumulate(
-    forward: Forward, state: TrainState, batch: PyTree, rng: jax.Array | None, steps: int
+    forward: Forward,
+    state: TrainState,
+    batch: PyTree,
+    rng: jax.Array | None,
+    steps: int,
+    axis_name: str = AXIS_NAME,
 ) -> Contribution:
     """This replica's contribution, summed over ``steps`` micro-batches.
 
     A weighted loss sums totals, gradients and weighted aux over micro-batches
     (a micro-batch of weight 0 leaves the model state alone); a plain loss
-    averages them.
+    averages them. A loss with a collective over ``axis_name`` is refused
+    (each micro-batch's collective would see only that micro-batch).
     """
     params, model_state = state.params, state.model_state
     size = batch_size(batch)
@@ -124,7 +132,12 @@ def accumulate(
         return carry, None
 
     first_micro = jax.tree.map(lambda x: x[0], micro)
-    first = jax.eval_shape(lambda b: forward(state, params, model_state, b, rng), first_micro)
+    first = shape_refusing_collectives(
+        lambda b: forward(state, params, model_state, b, rng),
+        (first_micro,),
+        axis_name,
+        partial(_accumulation_refusal, steps=steps, axis_name=axis_name),
+    )
     init = (
         jax.tree.map(jnp.zeros_like, params),
         jnp.float32(0.0),
@@ -206,3 +219,14 @@ def _check_loss(loss: Any) -> None:
         )
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}.")
+
+
+def _accumulation_refusal(collective: str, steps: int, axis_name: str) -> str:
+    return (
+        f"The loss calls {collective} over the data axis {axis_name!r}, which under "
+        f"accumulate_steps={steps} runs once per micro-batch and sees only that micro-batch of "
+        "every device, not the global batch: the objective would change with accumulate_steps. "
+        "Use accumulate_steps=1 (a collective in the loss then sees the whole global batch, as "
+        "single-device training does), or a loss without collectives (e.g. batch norm without "
+        "axis_name)."
+    )

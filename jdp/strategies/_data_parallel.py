@@ -84,7 +84,7 @@ def local_contribution(
 ) -> Contribution:
     """This replica's contribution, with its own key per replica and step."""
     rng = None if state.rng is None else replica_rng(state.rng, state.step, axis_name)
-    return accumulate(forward, state, batch, rng, accumulate_steps)
+    return accumulate(forward, state, batch, rng, accumulate_steps, axis_name)
 
 
 def reduced(local: Contribution, grads: PyTree, axis_name: str) -> Reduced:

@@ -22,6 +22,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jdp import _tree
+from jdp._collectives import shape_refusing_collectives
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -193,6 +194,7 @@ def _this_devices_virtual_replicas(
     per_device = virtual_replicas // n
     first = lax.axis_index(axis_name) * per_device
     return _each_virtual_replica(
+        axis_name,
         lambda j, micro_batch: forward(
             state,
             state.params,
@@ -224,8 +226,12 @@ def _virtual_replicas_here(batch: PyTree, virtual_replicas: int, n: int) -> PyTr
     return jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), batch)
 
 
-def _each_virtual_replica(fn, micro: PyTree, count: int, opaque_zero: jax.Array):
+def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_zero: jax.Array):
     """``fn(j, micro[j])`` for each j, one at a time, outputs stacked.
+
+    A collective over ``axis_name`` in ``fn`` (the loss) is refused: inside
+    the loop it would see one virtual replica per device, so the objective
+    would change with the device count.
 
     A loop, never inlined: XLA inlines a loop it can prove runs once, and the
     inlined pass fuses differently (measured: batch-norm variances 1 ulp off
@@ -233,7 +239,9 @@ def _each_virtual_replica(fn, micro: PyTree, count: int, opaque_zero: jax.Array)
     The trip count adds ``opaque_zero``, a zero computed from the input
     (``step < 0``), so XLA cannot prove it.
     """
-    template = jax.eval_shape(fn, 0, jax.tree.map(lambda x: x[0], micro))
+    template = shape_refusing_collectives(
+        fn, (0, jax.tree.map(lambda x: x[0], micro)), axis_name, _refusal
+    )
     rows = max(count, 2)  # a one-row axis would make the index provably 0
     if count < rows:
         micro = jax.tree.map(lambda x: jnp.concatenate([x] * rows), micro)
@@ -245,6 +253,17 @@ def _each_virtual_replica(fn, micro: PyTree, count: int, opaque_zero: jax.Array)
 
     buffers = lax.fori_loop(0, count + opaque_zero, body, buffers)
     return jax.tree.map(lambda b: b[:count], buffers)
+
+
+def _refusal(collective: str) -> str:
+    return (
+        f"jdp.strategies.exact: the loss calls {collective} over the data axis, which in exact "
+        "mode runs once per virtual replica and sees only the virtual replicas the devices hold "
+        "at that moment, not the global batch: the objective would change with the device "
+        "count. Train this loss with jdp.strategies.data_parallel() (no accumulate_steps), "
+        "where a collective in the loss sees the whole global batch, or drop the collective "
+        "(e.g. batch norm without axis_name keeps statistics per virtual replica, and is exact)."
+    )
 
 
 def _expand(weights: jax.Array, like: jax.Array) -> jax.Array:
