@@ -43,16 +43,5 @@ def collectives_over(jaxpr: jex_core.Jaxpr, axis_name: str) -> Iterator[str]:
             names = eqn.params.get(key)
             if axis_name in (names if isinstance(names, (tuple, list)) else (names,)):
                 yield f"lax.{eqn.primitive.name}"
-        for value in eqn.params.values():
-            for sub in _jaxprs_in(value):
-                yield from collectives_over(sub, axis_name)
-
-
-def _jaxprs_in(value: object) -> Iterator[jex_core.Jaxpr]:
-    if isinstance(value, jex_core.ClosedJaxpr):
-        yield value.jaxpr
-    elif isinstance(value, jex_core.Jaxpr):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _jaxprs_in(item)
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            yield from collectives_over(sub, axis_name)

@@ -14,7 +14,7 @@ import sys
 # step types name.
 LAYERS = [
     ["jdp._version", "jdp._tree", "jdp._devices", "jdp._watchdog"],
-    ["jdp.distributed", "jdp._batching", "jdp._collectives"],
+    ["jdp.distributed", "jdp._batching", "jdp._collectives", "jdp._conv_layout"],
     ["jdp._layout", "jdp._weighting", "jdp._loss_scale", "jdp._precision"],
     ["jdp._replication", "jdp._state", "jdp._metrics"],
     ["jdp._forward", "jdp._update"],

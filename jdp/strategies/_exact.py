@@ -9,11 +9,13 @@ count n, so params, optimizer state and metrics are bitwise equal for any n
 that divides G, on one process or several.
 
 What makes it hold on XLA (each measured on XLA:CPU, JAX 0.10):
-micro-batches run one at a time in a ``lax.scan`` (batching them with ``vmap``
-changes a matmul's rounding); no arithmetic collective is used (``psum``
-reduces in an n-dependent order): devices exchange partial sums with
-``all_to_all`` and ``all_gather`` only, and the tree is finished in this
-module; the program after the last collective is the same for every n.
+micro-batches run one at a time in a loop (batching them with ``vmap``
+changes a matmul's rounding; unrolled copies fuse differently with what
+surrounds them); no arithmetic collective is used (``psum`` reduces in an
+n-dependent order): devices exchange partial sums with ``all_to_all`` and
+``all_gather`` only, and the tree is finished in this module; the program
+after the last collective is the same for every n; and the step compiles
+without CSE, so one device and many run the same passes.
 """
 
 import jax
@@ -23,6 +25,7 @@ from jax.flatten_util import ravel_pytree
 
 from jdp import _tree
 from jdp._collectives import shape_refusing_collectives
+from jdp._conv_layout import with_canonical_convolutions
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -237,11 +240,14 @@ def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_
     inlined pass fuses differently (measured: batch-norm variances 1 ulp off
     at n = G; an optimization barrier on the trip count did not prevent it).
     The trip count adds ``opaque_zero``, a zero computed from the input
-    (``step < 0``), so XLA cannot prove it.
+    (``step < 0``), so XLA cannot prove it. Convolutions are rewritten into
+    XLA:CPU's canonical order (:mod:`jdp._conv_layout`), which XLA does only
+    outside loops.
     """
     template = shape_refusing_collectives(
         fn, (0, jax.tree.map(lambda x: x[0], micro)), axis_name, _refusal
     )
+    fn = with_canonical_convolutions(fn)
     rows = max(count, 2)  # a one-row axis would make the index provably 0
     if count < rows:
         micro = jax.tree.map(lambda x: jnp.concatenate([x] * rows), micro)
