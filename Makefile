@@ -45,6 +45,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/end_to_end.py --first-step
 	$(PY) benchmarks/torch_ddp.py
+	$(PY) benchmarks/exact_cost.py
 
 clean:
 	rm -rf $(VENV) out bench-results

@@ -1,0 +1,122 @@
+"""`make bench`: what exact mode costs on a CNN and a transformer, against the ordinary step.
+
+For the demo's CNN (global batch 128, 8x8 digits) and the model zoo's causal
+LM (2 layers, 4 heads, d=64, 128 sequences of 16 tokens, dropout, per-token
+WeightedLoss), on n = 1 and 8 CPU devices under jdp.pmap, it times:
+
+  ordinary  jdp.make_train_step(loss)                                  (reference)
+  exact     jdp.make_train_step(loss, strategy=jdp.strategies.exact(8))
+
+Rounds are interleaved (ordinary, exact, ordinary, ...) so machine noise hits
+both alike; each figure is the median over rounds of the mean step time of
+``--steps`` calls. The ratio is exact/ordinary step time (goals: <= 2 for the
+CNN, <= 1.5 for the LM). Compile time is the first call's.
+
+Usage: python benchmarks/exact_cost.py [--rounds 5] [--steps 20] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import jdp
+
+jdp.force_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from jdp import demo  # noqa: E402
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+from tests import zoo  # noqa: E402
+
+
+def cnn():
+    train, _ = demo.load_splits(0)
+    params = demo.CNN().init(jax.random.key(0), train["image"][:1])["params"]
+    batch = {"image": train["image"][:128], "label": train["label"][:128]}
+    make = lambda strategy: jdp.make_train_step(demo.loss_fn, has_aux=True, strategy=strategy)  # noqa: E731
+    return make, jdp.TrainState.create(params=params, tx=optax.adam(1e-3)), batch
+
+
+def lm():
+    _, state, _ = zoo.transformer()
+    make = lambda strategy: jdp.make_train_step(zoo.lm_loss, has_rng=True, strategy=strategy)  # noqa: E731
+    return make, state, zoo.lm_batches(1, size=128)[0]
+
+
+MODELS = {"CNN (demo)": cnn, "causal LM (zoo)": lm}
+STRATEGIES = {"ordinary": jdp.strategies.data_parallel, "exact": lambda: jdp.strategies.exact(8)}
+
+
+class Timed:
+    """A wrapped step with its own state and batch, timed over calls."""
+
+    def __init__(self, make, state, batch, strategy, n):
+        self.step = jdp.pmap(make(strategy), devices=jax.local_devices()[:n])
+        self.state = self.step.replicate(state)
+        self.batch = self.step.shard(batch)
+        start = time.perf_counter()
+        self.run(1)
+        self.compile_s = time.perf_counter() - start
+
+    def run(self, steps):
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.state, _ = self.step(self.state, self.batch)
+        jax.block_until_ready(self.state)
+        return (time.perf_counter() - start) / steps
+
+
+def bench(model, n, rounds, steps):
+    make, state, batch = MODELS[model]()
+    timed = {name: Timed(make, state, batch, s(), n) for name, s in STRATEGIES.items()}
+    times = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, t in timed.items():
+            times[name].append(t.run(steps))
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "model": model,
+        "n": n,
+        "ordinary_ms": 1e3 * medians["ordinary"],
+        "exact_ms": 1e3 * medians["exact"],
+        "exact_over_ordinary": medians["exact"] / medians["ordinary"],
+        "compile_s": {name: t.compile_s for name, t in timed.items()},
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(__doc__.split("\n\n")[0])
+    print(
+        "| model | n | ordinary ms/step | exact ms/step | exact/ordinary | compile s (ord., exact) |"
+    )
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for model in MODELS:
+        for n in (1, 8):
+            r = bench(model, n, args.rounds, args.steps)
+            rows.append(r)
+            c = r["compile_s"]
+            print(
+                f"| {model} | {n} | {r['ordinary_ms']:.1f} | {r['exact_ms']:.1f} | "
+                f"{r['exact_over_ordinary']:.2f} | {c['ordinary']:.1f}, {c['exact']:.1f} |",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return np.asarray([r["exact_over_ordinary"] for r in rows])
+
+
+if __name__ == "__main__":
+    main()
