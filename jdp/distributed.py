@@ -23,6 +23,12 @@ ENV_NUM_PROCESSES = "JDP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JDP_PROCESS_ID"
 ENV_CPU_DEVICES = "JDP_CPU_DEVICES_PER_PROCESS"
 ENV_TIMEOUT = "JDP_TIMEOUT"
+# A job's own exports (a Kubernetes Indexed Job or JobSet manifest, a custom
+# launcher). JAX reads only the address; the count and index complete it.
+ENV_JAX_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_JAX_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_JAX_PROCESS_ID = "JAX_PROCESS_ID"
+ENV_JOB_INDEX = "JOB_COMPLETION_INDEX"  # Kubernetes sets it in every pod of an Indexed Job
 
 # Work to finish before a failed process exits at once (e.g. in-flight
 # checkpoint saves); modules above this one register theirs.
@@ -51,9 +57,12 @@ def initialize(
     Call it once, before any other JAX or jdp call that touches devices. With
     no arguments it reads, in order: the variables ``python -m jdp.launch``
     sets; the cluster JAX detects (SLURM ``srun``/``sbatch``, Open MPI
-    ``mpirun``, Kubernetes, Cloud TPU; MPICH and others through
-    ``cluster_detection_method="mpi4py"``); with neither, it runs as one
-    process (a plain ``python train.py``).
+    ``mpirun``, Kubernetes through its API, Cloud TPU; MPICH and others
+    through ``cluster_detection_method="mpi4py"``); ``JAX_COORDINATOR_ADDRESS``
+    with ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (or Kubernetes'
+    ``JOB_COMPLETION_INDEX``), as a JobSet or Indexed Job manifest exports
+    them; with none of these, it runs as one process (a plain
+    ``python train.py``).
 
     In a job of several processes it also makes the job fail fast: an
     uncaught exception in any process ends every process within seconds,
@@ -96,6 +105,12 @@ def initialize(
         coordinator_address = env[ENV_COORDINATOR]
         num_processes = int(env[ENV_NUM_PROCESSES]) if num_processes is None else num_processes
         process_id = int(env[ENV_PROCESS_ID]) if process_id is None else process_id
+    elif (
+        coordinator_address is None
+        and ENV_JAX_COORDINATOR in env
+        and not _cluster_detected(jax_kwargs)  # a cluster gives the count and index itself
+    ):
+        coordinator_address, num_processes, process_id = _exported(num_processes, process_id)
     if cpu_devices_per_process is None and ENV_CPU_DEVICES in env:
         cpu_devices_per_process = int(env[ENV_CPU_DEVICES])
     if cpu_devices_per_process:
@@ -152,6 +167,39 @@ def _check_can_initialize(jax_kwargs: dict[str, Any]) -> None:
             f"jdp.distributed.initialize: {clash} are set from timeout= (or $JDP_TIMEOUT); "
             "pass timeout=seconds instead."
         )
+
+
+def _exported(num_processes: int | None, process_id: int | None) -> tuple[str, int, int]:
+    """The job from ``JAX_COORDINATOR_ADDRESS`` and the count and index exported beside it."""
+    env = os.environ
+    address = env[ENV_JAX_COORDINATOR]
+    if num_processes is None:
+        num_processes = _int_variable(ENV_JAX_NUM_PROCESSES)
+    for name in (ENV_JAX_PROCESS_ID, ENV_JOB_INDEX):
+        if process_id is None:
+            process_id = _int_variable(name)
+    if num_processes is None or process_id is None:
+        missing = ENV_JAX_NUM_PROCESSES if num_processes is None else ENV_JAX_PROCESS_ID
+        raise ValueError(
+            f"jdp.distributed.initialize: {ENV_JAX_COORDINATOR}={address!r} is set but "
+            f"{missing} is not, and no launcher JAX knows (SLURM, Open MPI, ...) gives it. "
+            f"Export {ENV_JAX_NUM_PROCESSES} (the number of processes) and {ENV_JAX_PROCESS_ID} "
+            f"(this one's index; a Kubernetes Indexed Job or JobSet's {ENV_JOB_INDEX} serves), "
+            f"or pass num_processes= and process_id=; for one process, unset {ENV_JAX_COORDINATOR}."
+        )
+    return address, num_processes, process_id
+
+
+def _int_variable(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"jdp.distributed.initialize: ${name} must be an integer, got {text!r}."
+        ) from None
 
 
 def _cluster_detected(jax_kwargs: dict[str, Any]) -> bool:

@@ -35,7 +35,7 @@ def _slurm_up() -> bool:
 
 
 SRUN = pytest.param("srun", marks=pytest.mark.skipif(not _slurm_up(), reason="no SLURM"))
-LAUNCHERS = ["jdp.launch", MPIRUN, SRUN, "slurm"]
+LAUNCHERS = ["jdp.launch", MPIRUN, SRUN, "slurm", "jobset"]
 
 
 def base_env(**extra):
@@ -59,6 +59,16 @@ def slurm_env(rank, port, **extra):
         SLURM_PROCID=str(rank),
         SLURM_LOCALID=str(rank),
         JAX_COORDINATOR_PORT=str(port),
+        JDP_CPU_DEVICES_PER_PROCESS="2",
+        **extra,
+    )
+
+
+def jobset_env(rank, address, **extra):
+    return base_env(
+        JAX_COORDINATOR_ADDRESS=address,
+        JAX_NUM_PROCESSES="2",
+        JOB_COMPLETION_INDEX=str(rank),
         JDP_CPU_DEVICES_PER_PROCESS="2",
         **extra,
     )
@@ -94,6 +104,10 @@ def start(launcher, mode, out, **extra):
         port = free_port()
         cmds = [[sys.executable, SCRIPT, mode, str(out)]] * 2
         envs = [slurm_env(rank, port, **extra) for rank in range(2)]
+    elif launcher == "jobset":  # what a Kubernetes Indexed Job / JobSet manifest exports
+        address = f"127.0.0.1:{free_port()}"
+        cmds = [[sys.executable, SCRIPT, mode, str(out)]] * 2
+        envs = [jobset_env(rank, address, **extra) for rank in range(2)]
     else:  # no launcher: one process with 4 devices
         cmds = [[sys.executable, SCRIPT, mode, str(out)]]
         envs = [base_env(JDP_CPU_DEVICES_PER_PROCESS="4", **extra)]
@@ -161,7 +175,7 @@ def test_a_raising_rank_ends_every_rank_fast_and_is_named(launcher, tmp_path):
     host = socket.gethostname()
     # The batch of step 3 is read one step ahead (prefetching), while step 2 runs.
     assert f"process 1 of 2 on {host} failed in data loading at step 2" in err, err[-3000:]
-    if launcher == "slurm":  # the healthy rank says why it ends
+    if launcher in ("slurm", "jobset"):  # the healthy rank says why it ends
         assert "process 0 of 2" in err and "ending the job because process 1" in err, err[-3000:]
     for pid_file in tmp_path.glob("job-*.pid"):
         assert not alive(int(pid_file.read_text()))
@@ -178,7 +192,7 @@ def test_an_early_leaving_rank_is_named_within_the_deadline(launcher, tmp_path):
     assert "process 1: finished after 3 step calls" in err, err[-3000:]
 
 
-@pytest.mark.parametrize("launcher", [MPIRUN, SRUN, "slurm"])
+@pytest.mark.parametrize("launcher", [MPIRUN, SRUN, "slurm", "jobset"])
 def test_sigterm_ends_every_rank_cleanly(launcher, tmp_path):
     procs = start(launcher, "sleep", tmp_path / "job")
     deadline = time.monotonic() + 90
@@ -190,13 +204,30 @@ def test_sigterm_ends_every_rank_cleanly(launcher, tmp_path):
         p.send_signal(signal.SIGTERM)
     codes, err, ended = finish(procs, 60)
     assert all(code != 0 for code in codes), (codes, err[-3000:])
-    if launcher == "slurm":  # each task's own code (mpirun reports its own)
+    if launcher in ("slurm", "jobset"):  # each task's own code (mpirun reports its own)
         assert codes == [143, 143], (codes, err[-3000:])
     assert ended - sent <= 15, ended - sent
     if launcher != "srun":  # srun itself, on SIGTERM, kills its tasks (scancel sends TERM first)
         assert "received SIGTERM" in err, err[-3000:]
     for pid_file in tmp_path.glob("job-*.pid"):
         assert not alive(int(pid_file.read_text()))
+
+
+@pytest.mark.parametrize(
+    "drop, expected",
+    [
+        ("JAX_NUM_PROCESSES", "JAX_NUM_PROCESSES is not"),
+        ("JOB_COMPLETION_INDEX", "JAX_PROCESS_ID is not"),
+    ],
+)
+def test_a_coordinator_address_without_count_or_index_is_refused(drop, expected):
+    env = jobset_env(0, f"127.0.0.1:{free_port()}")
+    del env[drop]
+    run = run_python("import jdp.distributed\njdp.distributed.initialize()", env)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: jdp.distributed.initialize: JAX_COORDINATOR_ADDRESS="), last
+    assert expected in last and "unset JAX_COORDINATOR_ADDRESS" in last, last
 
 
 def test_no_launcher_runs_as_one_process(tmp_path):
