@@ -1,7 +1,8 @@
 """How fast a multi-process job ends when a process fails, stalls or is terminated.
 
 For each launcher found here (jdp.launch; Open MPI's mpirun; SLURM's srun when
-a controller answers; SLURM's variables without srun), a 2 processes x 2 CPU
+a controller answers; SLURM's variables without srun; the variables a Kubernetes
+Indexed Job or JobSet exports), a 2 processes x 2 CPU
 devices job (tests/multiprocess_failfast.py):
 
   2x2 vs 1x4   largest parameter difference from one process of 4 devices
@@ -34,7 +35,7 @@ def launchers():
         found.append("mpirun")
     if job._slurm_up():
         found.append("srun")
-    return [*found, "slurm"]
+    return [*found, "slurm", "jobset"]
 
 
 def parity(launcher, tmp, reference):
