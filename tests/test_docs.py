@@ -8,6 +8,8 @@ import os
 import pathlib
 import pkgutil
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -136,3 +138,51 @@ def _same_default(text: str, value: object) -> bool:
     except (ValueError, SyntaxError):
         named = getattr(jdp.strategies, text, getattr(jdp, text, None))
         return named is value or getattr(value, "__name__", None) == text.split(".")[-1]
+
+
+LAUNCHER_LINE = {"mpirun": re.compile(r"^mpirun .*$", re.M), "srun": re.compile(r"^srun .*$", re.M)}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHER_LINE))
+def test_multi_host_launcher_lines_run_the_script(launcher, tmp_path):
+    """docs/multi-host.md's own mpirun and srun lines run its script, 2 tasks x 2 CPU devices."""
+    from tests.test_failfast import _slurm_up, base_env, free_port
+
+    if not shutil.which(launcher) or (launcher == "srun" and not _slurm_up()):
+        pytest.skip(f"{launcher} is not installed or has no cluster here")
+    page = (ROOT / "docs" / "multi-host.md").read_text()
+    script = tmp_path / "train.py"
+    script.write_text(next(b for b in BLOCK.findall(page) if b.startswith(MULTIPROCESS)))
+    cmd = shlex.split(LAUNCHER_LINE[launcher].search(page).group(0))
+    cmd = [
+        str(script) if arg == "train.py" else sys.executable if arg == "python" else arg
+        for arg in cmd
+    ]
+    # This machine's sizes: 2 tasks (the page runs 8 a node) of 2 CPU devices each.
+    if launcher == "mpirun":
+        cmd[cmd.index("-np") + 1] = "2"
+        cmd[1:1] = [
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-x",
+            "PYTHONPATH",
+            "-x",
+            "JDP_CPU_DEVICES_PER_PROCESS",
+            "-x",
+            "JAX_COORDINATOR_PORT",
+        ]
+    else:
+        cmd[1:1] = ["-n", "2"]
+    env = base_env(
+        JDP_CPU_DEVICES_PER_PROCESS="2",
+        JAX_COORDINATOR_PORT=str(free_port()),
+        OMPI_MCA_btl="self,vader",
+        OMPI_MCA_oob_tcp_if_include="lo",
+    )
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-4000:]
+    # Both processes printed the job's mean loss (mpirun may interleave the pieces of
+    # the two lines; the rank tags and gloo's lines aside).
+    text = re.sub(r"\[\d+,\d+\]<stdout>:|^\d+: ", "", run.stdout, flags=re.M)
+    losses = re.findall(r"\d+\.\d{6}", re.sub(r".*\[Gloo\].*", "", text))
+    assert len(losses) == 2 and len(set(losses)) == 1, run.stdout
