@@ -1,9 +1,9 @@
 """The exact-mode model zoo across processes, for tests/test_zoo.py.
 
-python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zoo.py OUT BACKEND
+python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zoo.py OUT
 
-Trains every zoo family for its few steps; process 0 writes each family's
-final state leaves and last loss to OUT.
+Trains every zoo family for its few steps under both backends; process 0
+writes each backend's and family's final state leaves and last loss to OUT.
 """
 
 import sys
@@ -38,18 +38,19 @@ def _this_process_rows(batch):
     return jax.tree.map(lambda x: x[lo : lo + size], batch)
 
 
-def main(out, backend):
+def main(out):
     arrays = {}
-    for family in sorted(zoo.FAMILIES):
-        final, loss = train(family, backend)
-        leaves = jax.tree_util.tree_flatten_with_path(final)[0]
-        for path, leaf in leaves:
-            value = jax.random.key_data(leaf) if is_prng_key(leaf) else leaf
-            arrays[f"{family}/{jax.tree_util.keystr(path)}"] = np.asarray(value)
-        arrays[f"{family}/loss"] = np.asarray(loss)
+    for backend in ("pmap", "shard_map"):
+        for family in sorted(zoo.FAMILIES):
+            final, loss = train(family, backend)
+            prefix = f"{backend}/{family}"
+            for path, leaf in jax.tree_util.tree_flatten_with_path(final)[0]:
+                value = jax.random.key_data(leaf) if is_prng_key(leaf) else leaf
+                arrays[f"{prefix}/{jax.tree_util.keystr(path)}"] = np.asarray(value)
+            arrays[f"{prefix}/loss"] = np.asarray(loss)
     if jax.process_index() == 0:
         np.savez(out, **arrays)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1])
