@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 OPTIMIZERS = {
     "sgd": lambda: optax.sgd(0.1),
@@ -48,6 +49,19 @@ class Classifier(nn.Module):
         x = nn.relu(x)
         x = nn.Dropout(0.5, deterministic=not train)(x)
         return nn.Dense(4)(x)
+
+
+class NnxNet(nnx.Module):
+    """Flax NNX: Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(6, 16, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))
 
 
 def classifier_variables(seed=0, din=6):

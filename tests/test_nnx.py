@@ -14,17 +14,7 @@ from tests import models
 BACKENDS = ["pmap", "shard_map"]
 
 
-class Net(nnx.Module):
-    """Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(6, 16, rngs=rngs)
-        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-        self.out = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))
+Net = models.NnxNet  # Linear -> BatchNorm -> ReLU -> Dropout -> Linear
 
 
 def make_loss(graphdef, train: bool):

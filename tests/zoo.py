@@ -17,6 +17,7 @@ from flax import nnx
 
 import jdp
 import jdp.nnx
+from tests import models
 
 G = 8  # virtual replicas
 STEPS = 3
@@ -157,22 +158,9 @@ def transformer():
     return _exact(lm_loss, has_rng=True), state, lm_batches(STEPS)
 
 
-class NnxNet(nnx.Module):
-    """Flax NNX: Linear -> BatchNorm -> ReLU -> Dropout -> Linear."""
-
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(6, 16, rngs=rngs)
-        self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
-        self.drop = nnx.Dropout(0.5, rngs=rngs)
-        self.out = nnx.Linear(16, 4, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))
-
-
 def nnx_model():
     """An NNX model with batch norm and dropout; plain SGD."""
-    graphdef, params, model_state = jdp.nnx.split(NnxNet(nnx.Rngs(5)))
+    graphdef, params, model_state = jdp.nnx.split(models.NnxNet(nnx.Rngs(5)))
 
     def loss_fn(p, batch, model_state, rng):
         model = jdp.nnx.merge(graphdef, p, model_state, rng=rng)
