@@ -98,16 +98,9 @@ def accumulate(
     (each micro-batch's collective would see only that micro-batch).
     """
     params, model_state = state.params, state.model_state
-    size = batch_size(batch)
-    if size % steps:
-        raise ValueError(
-            f"accumulate_steps={steps} does not divide the per-replica "
-            f"batch of {size} examples. Use a global batch divisible by "
-            f"accumulate_steps x number of devices."
-        )
     if steps == 1:
         return forward(state, params, model_state, batch, rng)
-    micro = jax.tree.map(lambda x: x.reshape((steps, x.shape[0] // steps) + x.shape[1:]), batch)
+    micro = _micro_batches(batch, steps)
 
     def body(carry, inputs):
         grads, total, weight, model_state, aux = carry
@@ -219,6 +212,18 @@ def _check_loss(loss: Any) -> None:
         )
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}.")
+
+
+def _micro_batches(batch: PyTree, steps: int) -> PyTree:
+    """``(B, ...)`` -> ``(steps, B / steps, ...)``."""
+    size = batch_size(batch)
+    if size % steps:
+        raise ValueError(
+            f"accumulate_steps={steps} does not divide the per-replica "
+            f"batch of {size} examples. Use a global batch divisible by "
+            f"accumulate_steps x number of devices."
+        )
+    return jax.tree.map(lambda x: x.reshape((steps, x.shape[0] // steps) + x.shape[1:]), batch)
 
 
 def _accumulation_refusal(collective: str, steps: int, axis_name: str) -> str:
