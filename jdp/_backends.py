@@ -122,12 +122,16 @@ class PmapStep:
             else:
                 self._fn = _AcrossProcesses(step, devices, axis_name)
                 donate = ()
+            self._fn_traced = self._fn
         else:
             mesh = Mesh(np.asarray(self.devices), (axis_name,))
             self._fn = _jit_pmap_layout(step, mesh, donate, self._batch_sharding)
-            self._fn_traced = _jit_pmap_layout(
-                step, mesh, donate, self._batch_sharding, options=False
-            )
+            # Under an outer jit, which takes the options itself (a nested jit cannot).
+            self._fn_traced = self._fn
+            if self._has_options:
+                self._fn_traced = _jit_pmap_layout(
+                    step, mesh, donate, self._batch_sharding, options=False
+                )
         # Reusing donated buffers crashes multi-device executions on XLA:CPU
         # (JAX 0.10.2: segfault); one device raises, and _call explains it.
         self._guard_donated = bool(donate) and n > 1
@@ -139,7 +143,7 @@ class PmapStep:
         fn = self._fn
         if self._has_options and _traced(state):
             _warn_options_lost(self.step)
-            fn = getattr(self, "_fn_traced", fn)  # a nested jit takes no compiler options
+            fn = self._fn_traced
         return _call(fn, state, batch, self.axis_name, "pmap", self._guard_donated)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
@@ -199,7 +203,10 @@ class ShardMapStep:
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
         donate = _donation(step, donate_state, "shard_map")
         self._fn = jax.jit(self._run, donate_argnums=donate, compiler_options=step.compiler_options)
-        self._fn_traced = jax.jit(self._run, donate_argnums=donate)
+        # Under an outer jit, which takes the options itself (a nested jit cannot).
+        self._fn_traced = (
+            jax.jit(self._run, donate_argnums=donate) if self._has_options else self._fn
+        )
         self._guard_donated = bool(donate) and mesh.size > 1
         warn_if_cpu_pool_unsafe(mesh.size)
 
@@ -207,7 +214,7 @@ class ShardMapStep:
         fn = self._fn
         if self._has_options and _traced(state):
             _warn_options_lost(self.step)
-            fn = getattr(self, "_fn_traced", fn)  # a nested jit takes no compiler options
+            fn = self._fn_traced
         return _call(fn, state, batch, self.axis_name, "shard_map", self._guard_donated)
 
     def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
