@@ -253,7 +253,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.devices < 0:
         parser.error(f"--devices must be >= 0, got {args.devices}")
     if args.exact and args.communication != "float32":
-        parser.error("--communication bfloat16 rounds the sum over replicas: not with --exact")
+        parser.error(
+            "--communication bfloat16 rounds the sum over replicas, which exact mode (on by "
+            "default with float32) cannot keep: add --no-exact, or --precision bfloat16"
+        )
     return args
 
 

@@ -334,6 +334,14 @@ def test_demo_flags_of_zero(flag):
     assert "Traceback" not in run.stderr
 
 
+def test_demo_bfloat16_communication_under_the_exact_default_says_how():
+    cmd = [sys.executable, "-m", "jdp.demo", "--communication", "bfloat16"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "exact mode (on by default with float32)" in run.stderr
+    assert "--no-exact, or --precision bfloat16" in run.stderr
+
+
 # --- cluster correctness --------------------------------------------------------
 
 
