@@ -66,14 +66,7 @@ class BatchIterator:
         mask_key: str = "mask",
     ):
         self.size = leading_size(data, "BatchIterator data")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise TypeError(f"BatchIterator: batch_size must be an int, got {batch_size!r}.")
-        if batch_size < 1:
-            raise ValueError(f"BatchIterator: batch_size must be >= 1, got {batch_size}.")
-        if remainder not in REMAINDERS:
-            raise ValueError(
-                f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
-            )
+        _check_batching(data, self.size, batch_size, remainder, repeat, mask_key)
         if process_index is None or process_count is None:
             check_initialized()  # else every process would read the same slice
         process_index = jax.process_index() if process_index is None else process_index
@@ -89,23 +82,6 @@ class BatchIterator:
                 f"BatchIterator: batch_size={batch_size} is not divisible by the "
                 f"{split} devices it is split over ({num_devices} per process x "
                 f"{process_count} process(es)); use a multiple of {split}."
-            )
-        if remainder == "pad" and not (isinstance(data, Mapping) and mask_key not in data):
-            raise ValueError(
-                f'BatchIterator(remainder="pad") adds a {mask_key!r} entry, so data must be a '
-                f"dict without that key; got {type(data).__name__}"
-                + (f" with keys {sorted(data)}" if isinstance(data, Mapping) else "")
-                + ". Choose another name with mask_key=..."
-            )
-        if self.size == 0 and repeat:
-            raise ValueError(
-                "BatchIterator: data holds 0 examples, so a repeating iterator would never "
-                "yield a batch; pass data with examples (or repeat=False for an empty pass)."
-            )
-        if remainder == "drop" and self.size < batch_size:
-            raise ValueError(
-                f"BatchIterator: {self.size} examples make no full batch of {batch_size}; "
-                'use remainder="pad" or a smaller batch.'
             )
         self.data = jax.tree.map(np.asarray, data)
         self.batch_size = batch_size
@@ -198,6 +174,37 @@ class BatchIterator:
         self._position = int(state["position"])
         self.iteration = int(state["iteration"])
         self.is_new_epoch = False
+
+
+def _check_batching(
+    data: PyTree, size: int, batch_size: object, remainder: str, repeat: bool, mask_key: str
+) -> None:
+    """BatchIterator's options, checked against the data (the process split aside)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise TypeError(f"BatchIterator: batch_size must be an int, got {batch_size!r}.")
+    if batch_size < 1:
+        raise ValueError(f"BatchIterator: batch_size must be >= 1, got {batch_size}.")
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
+        )
+    if remainder == "pad" and not (isinstance(data, Mapping) and mask_key not in data):
+        raise ValueError(
+            f'BatchIterator(remainder="pad") adds a {mask_key!r} entry, so data must be a '
+            f"dict without that key; got {type(data).__name__}"
+            + (f" with keys {sorted(data)}" if isinstance(data, Mapping) else "")
+            + ". Choose another name with mask_key=..."
+        )
+    if size == 0 and repeat:
+        raise ValueError(
+            "BatchIterator: data holds 0 examples, so a repeating iterator would never "
+            "yield a batch; pass data with examples (or repeat=False for an empty pass)."
+        )
+    if remainder == "drop" and size < batch_size:
+        raise ValueError(
+            f"BatchIterator: {size} examples make no full batch of {batch_size}; "
+            'use remainder="pad" or a smaller batch.'
+        )
 
 
 def _fingerprint(data: PyTree) -> int:

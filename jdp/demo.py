@@ -317,26 +317,8 @@ def train(args, train_data, test_data, devices, checkpoints=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if args.devices:
-        jdp.force_cpu_devices(args.devices)
-    if args.compilation_cache:
-        # A second run loads the compiled steps instead of compiling them again
-        # (docs/performance.md: the CNN's first step 1.8 s -> 0.5 s).
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    import matplotlib
-
-    matplotlib.use("Agg")
-
-    devices = jax.local_devices()
+    devices = _set_up(args)
     n = len(devices)
-    if args.batch_size % n:
-        raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of the {n} devices.")
-    if args.exact and (args.virtual_replicas % n or args.batch_size % args.virtual_replicas):
-        raise SystemExit(
-            f"--exact needs --virtual-replicas ({args.virtual_replicas}) to be a multiple of "
-            f"the {n} devices and to divide --batch-size ({args.batch_size})."
-        )
     train_data, test_data = load_splits(args.seed)
     checkpoint_dir = args.out / "checkpoints"
     if checkpoint_dir.exists() and not args.resume:
@@ -354,24 +336,7 @@ def main(argv=None) -> dict:
         state, history, final, seconds = train(args, train_data, test_data, devices, ckpt)
         saved = ckpt.all_steps()
     reference = None
-    result = {
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "test_examples": int(final["weights"]["accuracy"]),
-        "steps": int(state.step),
-        "skipped_steps": int(state.skipped_steps),
-        "devices": n,
-        "global_batch": args.batch_size,
-        "precision": args.precision,
-        "backend": args.backend,
-        "examples_per_s": float(np.median([r["examples_per_s"] for r in history.train])),
-        "per_replica_loss": _replica_losses(history.train[-1]),
-        "resumed_at": history.resumed_at,
-        "max_param_diff": None,
-        "bitwise_equal": None,
-        "exact_mode": args.exact,
-        "communication": args.communication,
-    }
+    result = _result(args, n, state, history, final)
     if not args.no_reference:
         print(f"the same run on 1 device, for comparison ({args.steps} steps)")
         one, reference, one_final, _ = train(args, train_data, test_data, devices[:1])
@@ -389,6 +354,52 @@ def main(argv=None) -> dict:
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     _report(result, seconds)
     return result
+
+
+def _set_up(args: argparse.Namespace) -> list:
+    """Devices, the compilation cache and matplotlib's backend; the devices, checked."""
+    if args.devices:
+        jdp.force_cpu_devices(args.devices)
+    if args.compilation_cache:
+        # A second run loads the compiled steps instead of compiling them again
+        # (docs/performance.md: the CNN's first step 1.8 s -> 0.5 s).
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    devices = jax.local_devices()
+    n = len(devices)
+    if args.batch_size % n:
+        raise SystemExit(f"--batch-size {args.batch_size} is not a multiple of the {n} devices.")
+    if args.exact and (args.virtual_replicas % n or args.batch_size % args.virtual_replicas):
+        raise SystemExit(
+            f"--exact needs --virtual-replicas ({args.virtual_replicas}) to be a multiple of "
+            f"the {n} devices and to divide --batch-size ({args.batch_size})."
+        )
+    return devices
+
+
+def _result(args: argparse.Namespace, n: int, state, history, final) -> dict:
+    """result.json's fields for the N-device run (the 1-device comparison fills in the rest)."""
+    return {
+        "test_accuracy": final["accuracy"],
+        "test_loss": final["loss"],
+        "test_examples": int(final["weights"]["accuracy"]),
+        "steps": int(state.step),
+        "skipped_steps": int(state.skipped_steps),
+        "devices": n,
+        "global_batch": args.batch_size,
+        "precision": args.precision,
+        "backend": args.backend,
+        "examples_per_s": float(np.median([r["examples_per_s"] for r in history.train])),
+        "per_replica_loss": _replica_losses(history.train[-1]),
+        "resumed_at": history.resumed_at,
+        "max_param_diff": None,
+        "bitwise_equal": None,
+        "exact_mode": args.exact,
+        "communication": args.communication,
+    }
 
 
 def _report(result: dict, seconds: float) -> None:
