@@ -6,7 +6,8 @@ the ordinary step that is the whole global batch; inside a loop over
 micro-batches (exact mode's virtual replicas, ``accumulate_steps``) it is one
 micro-batch per device, so the objective would change with the device count
 or the number of micro-batches. Such modes trace the loss with
-:func:`shape_refusing_collectives` and refuse it by name.
+:func:`shape_refusing_collectives` (or :func:`refuse_collectives` on a trace
+of their own) and refuse it by name.
 """
 
 from collections.abc import Callable, Iterator
@@ -30,10 +31,17 @@ def shape_refusing_collectives(
       explain: ``collective -> message`` (the mode says why and what to do).
     """
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    found = next(collectives_over(closed.jaxpr, axis_name), None)
+    refuse_collectives(closed.jaxpr, axis_name, explain)
+    return shape
+
+
+def refuse_collectives(
+    jaxpr: jex_core.Jaxpr, axis_name: str, explain: Callable[[str], str]
+) -> None:
+    """A ValueError, ``explain(collective)``, for the first collective over ``axis_name``."""
+    found = next(collectives_over(jaxpr, axis_name), None)
     if found is not None:
         raise ValueError(explain(found))
-    return shape
 
 
 def collectives_over(jaxpr: jex_core.Jaxpr, axis_name: str) -> Iterator[str]:

@@ -8,30 +8,22 @@ only in the entry computation (xla/service/cpu/conv_canonicalization.cc
 iterates ``module->entry_computation()``), so a gradient's convolutions
 inside a loop body (JAX's weight gradient is ``f01b_i01o->01bf``) run as a
 generic loop nest: measured on the demo's CNN, 66-74 ms a step against
-6-9 ms for the same work outside a loop. :func:`with_canonical_convolutions`
-does the pass's rewrite on the traced function instead: transposes are
-exact, so the result is the canonical convolution's.
+6-9 ms for the same work outside a loop. :func:`evaluate_canonical` does the
+pass's rewrite while it evaluates a traced function: transposes are exact,
+so the result is the canonical convolution's.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax import lax
 from jax.extend import core as jex_core
 
-from jdp._tree import PyTree
 
-
-def with_canonical_convolutions(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` with every convolution of its trace in the canonical dimension order."""
-
-    def rewritten(*args: Any) -> PyTree:
-        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        out = _evaluate(closed.jaxpr, closed.consts, jax.tree.leaves(args))
-        return jax.tree.unflatten(jax.tree.structure(shape), out)
-
-    return rewritten
+def evaluate_canonical(closed: jex_core.ClosedJaxpr, args: Sequence[Any]) -> list[Any]:
+    """A traced function's outputs for flat ``args``, its convolutions made canonical."""
+    return _evaluate(closed.jaxpr, closed.consts, args)
 
 
 def _evaluate(jaxpr: jex_core.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:

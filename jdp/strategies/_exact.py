@@ -24,8 +24,8 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jdp import _tree
-from jdp._collectives import shape_refusing_collectives
-from jdp._conv_layout import with_canonical_convolutions
+from jdp._collectives import refuse_collectives
+from jdp._conv_layout import evaluate_canonical
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -244,17 +244,20 @@ def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_
     XLA:CPU's canonical order (:mod:`jdp._conv_layout`), which XLA does only
     outside loops.
     """
-    template = shape_refusing_collectives(
-        fn, (0, jax.tree.map(lambda x: x[0], micro)), axis_name, _refusal
-    )
-    fn = with_canonical_convolutions(fn)
+    # One trace serves the refusal, the buffers' shapes and every iteration.
+    closed, template = jax.make_jaxpr(fn, return_shape=True)(0, jax.tree.map(lambda x: x[0], micro))
+    refuse_collectives(closed.jaxpr, axis_name, _refusal)
+    structure = jax.tree.structure(template)
     rows = max(count, 2)  # a one-row axis would make the index provably 0
     if count < rows:
         micro = jax.tree.map(lambda x: jnp.concatenate([x] * rows), micro)
     buffers = jax.tree.map(lambda t: jnp.zeros((rows, *t.shape), t.dtype), template)
 
     def body(j, buffers):
-        out = fn(j, jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, keepdims=False), micro))
+        micro_j = jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, j, keepdims=False), micro)
+        out = jax.tree.unflatten(
+            structure, evaluate_canonical(closed, jax.tree.leaves((j, micro_j)))
+        )
         return jax.tree.map(lambda b, o: lax.dynamic_update_index_in_dim(b, o, j, 0), buffers, out)
 
     buffers = lax.fori_loop(0, count + opaque_zero, body, buffers)
