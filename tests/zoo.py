@@ -180,4 +180,77 @@ def nnx_model():
     return _exact(loss_fn, has_model_state=True, has_rng=True), state, batches
 
 
-FAMILIES = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "nnx": nnx_model}
+def moe_counter():
+    """Top-k routing whose bias comes from int32 expert-usage counts kept in model state."""
+    r = np.random.RandomState(3)
+    experts = 4
+    params = {
+        "router": jnp.asarray(r.randn(6, experts) / 3, jnp.float32),
+        "experts": jnp.asarray(r.randn(experts, 6, 3) / 3, jnp.float32),
+    }
+
+    def loss_fn(p, batch, model_state):
+        counts = model_state["usage"]
+        # Experts used more are routed to less: the count changes the loss.
+        bias = -0.1 * counts.astype(jnp.float32) / (1.0 + jnp.sum(counts))
+        scores = batch["x"] @ p["router"] + bias
+        _, top = jax.lax.top_k(scores, 2)
+        chosen = jax.nn.one_hot(top, experts).sum(1)  # (b, experts)
+        gates = jax.nn.softmax(jnp.where(chosen > 0, scores, -1e9))
+        out = jnp.einsum("be,bi,eio->bo", gates, batch["x"], p["experts"])
+        usage = counts + chosen.sum(0).astype(jnp.int32)
+        return jnp.mean((out - batch["y"]) ** 2), {"usage": usage}
+
+    state = jdp.TrainState.create(
+        params=params, tx=optax.adam(1e-2), model_state={"usage": jnp.zeros(experts, jnp.int32)}
+    )
+    batches = [
+        {"x": r.randn(64, 6).astype(np.float32), "y": r.randn(64, 3).astype(np.float32)}
+        for _ in range(STEPS)
+    ]
+    return _exact(loss_fn, has_model_state=True), state, batches
+
+
+def weight_zero_step():
+    """Batch norm under a WeightedLoss with one all-padding step (global weight 0)."""
+    variables = models.Classifier().init(jax.random.key(4), jnp.zeros((1, 6)), train=False)
+
+    def loss_fn(params, batch, model_state, rng):
+        logits, updates = models.Classifier().apply(
+            {"params": params, "batch_stats": model_state},
+            batch["x"],
+            train=True,
+            rngs={"dropout": rng},
+            mutable=["batch_stats"],
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"])
+        return jdp.weighted_mean(loss, batch["real"]), updates["batch_stats"]
+
+    r = np.random.RandomState(4)
+    batches = []
+    for i in range(STEPS + 1):
+        real = np.ones(64, bool) if i != 1 else np.zeros(64, bool)
+        batches.append(
+            {
+                "x": r.randn(64, 6).astype(np.float32),
+                "label": r.randint(0, 4, 64).astype(np.int32),
+                "real": real,
+            }
+        )
+    state = jdp.TrainState.create(
+        params=variables["params"],
+        tx=optax.sgd(0.1, momentum=0.9),
+        model_state=variables["batch_stats"],
+        rng=jax.random.key(5),
+    )
+    return _exact(loss_fn, has_model_state=True, has_rng=True), state, batches
+
+
+FAMILIES = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "transformer": transformer,
+    "nnx": nnx_model,
+    "moe_counter": moe_counter,
+    "weight_zero_step": weight_zero_step,
+}

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
-from jdp import _tree
+from jdp import _tree, metrics
 from jdp._collectives import refuse_collectives
 from jdp._conv_layout import evaluate_canonical
 from jdp._forward import Forward
@@ -69,6 +69,8 @@ def exact(virtual_replicas: int) -> Strategy:
         plain_norm,
         replicate_state,
         compiler_options=SAME_PASSES_ON_EVERY_DEVICE_COUNT,
+        # The global values, on every replica alike.
+        metric_rules=(("loss", metrics.same), ("virtual_replica_loss", metrics.same)),
     )
 
 
@@ -170,7 +172,7 @@ def exact_gradients(
     # computed through collectives would be a constant only where n = 1 (XLA
     # drops one-device collectives), and folding it there changes the bits.
     total_weight = shared["weight"] if weighted else jnp.float32(virtual_replicas)
-    floating, rebuild = _floating_model_state(outs.model_state, weights)
+    floating, rebuild = _floating_model_state(outs.model_state, weights, axis_name)
     vector, unravel = ravel_pytree({"grads": jax.tree.map(tree_sum, outs.grads), "state": floating})
     summed = unravel(exact_sum(vector, axis_name, n))
     grads = jax.tree.map(lambda g: _divide(g, total_weight, weighted), summed["grads"])
@@ -180,6 +182,10 @@ def exact_gradients(
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
     mine = shared_weight if weighted else None
+    if "virtual_replica_loss" in aux:
+        raise ValueError(
+            "aux key 'virtual_replica_loss' is reserved for exact mode's own metric; rename it."
+        )
     return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
 
 
@@ -275,6 +281,14 @@ def _refusal(collective: str) -> str:
     )
 
 
+def _global_first(stacked: jax.Array, axis_name: str) -> jax.Array:
+    """Global virtual replica 0 (device 0's first) on every device: data movement only."""
+    if _tree.is_prng_key(stacked):  # an NNX model's RNG state: gather the key data
+        data = _global_first(jax.random.key_data(stacked), axis_name)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(stacked))
+    return lax.all_gather(stacked[0], axis_name)[0]
+
+
 def _expand(weights: jax.Array, like: jax.Array) -> jax.Array:
     return weights.reshape(weights.shape + (1,) * (like.ndim - 1))
 
@@ -293,13 +307,14 @@ def _divide(x: jax.Array, total: jax.Array, data_dependent: bool) -> jax.Array:
     return x * inverse.astype(x.dtype)
 
 
-def _floating_model_state(stacked: PyTree, weights: jax.Array):
+def _floating_model_state(stacked: PyTree, weights: jax.Array, axis_name: str):
     """``(weighted sums of the floating leaves, rebuild(summed, total))``.
 
     Floating leaves (e.g. batch-norm statistics) become the weight-averaged
-    value over every virtual replica; where the total weight is 0, virtual
-    replica 0's value. Other leaves (counters, RNG state) are virtual replica
-    0's.
+    value over every virtual replica; where the total weight is 0, global
+    virtual replica 0's value. Other leaves (counters, RNG state) are global
+    virtual replica 0's: device 0's first, on every device (each device's own
+    first made integer state and all-padding steps diverge by device count).
     """
     leaves, treedef = _tree.flatten(stacked)
     floating = [jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves]
@@ -313,8 +328,9 @@ def _floating_model_state(stacked: PyTree, weights: jax.Array):
     def rebuild(summed, total):
         it = iter(summed)
         out = [
-            jnp.where(total > 0, _divide(next(it), total, True), x[0]) if f else x[0]
+            jnp.where(total > 0, _divide(next(it), total, True), first) if f else first
             for x, f in zip(leaves, floating, strict=True)
+            for first in [_global_first(x, axis_name)]
         ]
         return treedef.unflatten(out)
 
