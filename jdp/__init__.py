@@ -1,7 +1,6 @@
 """jdp: synchronous data-parallel training for JAX."""
 
-from jdp import distributed, strategies
-from jdp._backends import PmapStep, ShardMapStep, pmap, shard_map
+from jdp import backends, distributed, metrics, strategies
 from jdp._batching import pad_batch, shard, unshard
 from jdp._checkpoint import Checkpointer, CheckpointError
 from jdp._data import BatchIterator, prefetch_to_device
@@ -34,6 +33,7 @@ from jdp._tree import PyTree, dataclass, static_field
 from jdp._update import apply_gradients
 from jdp._version import __version__
 from jdp._weighting import WeightedLoss, weighted_mean
+from jdp.backends import PmapStep, ShardMapStep, pmap, shard_map
 from jdp.strategies._data_parallel import reduce_gradients
 from jdp.strategies._zero1 import ShardedOptState, clip_by_global_norm
 from jdp.testing import check_exact
@@ -61,6 +61,7 @@ __all__ = [
     "all_finite",
     "apply_gradients",
     "assert_replicas_in_sync",
+    "backends",
     "broadcast",
     "check_exact",
     "clip_by_global_norm",
@@ -72,6 +73,7 @@ __all__ = [
     "gather_replicas",
     "make_eval_step",
     "make_train_step",
+    "metrics",
     "pad_batch",
     "pmap",
     "prefetch_to_device",

@@ -10,11 +10,21 @@ from jdp._tree import PyTree
 
 AXIS_NAME = "batch"
 
+# The mesh axis of the pmap layout's arrays (a leading device axis). It is not
+# a data axis name: a pmap-layout batch (n, B // n, ...) and a global batch of
+# n examples then differ in their sharding, not only in a shape that can agree.
+DEVICE_AXIS = "devices"
+
 
 def local_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A 1-D mesh over ``devices`` (default: the local devices) named ``"batch"``."""
+    """The mesh of the pmap layout over ``devices`` (default: the local devices)."""
     devices = jax.local_devices() if devices is None else list(devices)
-    return Mesh(np.asarray(devices), (AXIS_NAME,))
+    return Mesh(np.asarray(devices), (DEVICE_AXIS,))
+
+
+def device_axis_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding:
+    """Row i of a leading device axis on device i: the pmap layout."""
+    return NamedSharding(local_mesh(devices), PartitionSpec(DEVICE_AXIS))
 
 
 def leaves_with_paths(tree: PyTree, what: str) -> list[tuple[str, jax.Array]]:
@@ -101,7 +111,7 @@ def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
       >>> jdp.shard({"x": np.zeros((16, 3))})["x"].shape
       (8, 2, 3)
     """
-    return shard_blocks(tree, NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME)))
+    return shard_blocks(tree, device_axis_sharding(devices))
 
 
 def shard_blocks(tree: PyTree, sharding: NamedSharding) -> PyTree:
@@ -120,10 +130,7 @@ def refuse_placed(tree: PyTree, what: str, allowed: NamedSharding | None = None)
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not isinstance(x, jax.Array) or len(x.sharding.device_set) < 2:
             continue
-        # The pmap layout (n, B // n, ...) is placed with the same sharding as a
-        # global batch; only its leading axis of n tells them apart.
-        pmap_layout = x.ndim >= 2 and x.shape[0] == len(x.sharding.device_set)
-        if allowed is not None and x.sharding == allowed and not pmap_layout:
+        if allowed is not None and x.sharding == allowed:
             continue
         raise ValueError(
             f"{what}: batch leaf {jax.tree_util.keystr(path) or '<root>'} (shape {x.shape}) is "

@@ -21,10 +21,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _layout, distributed
-from jdp._replication import replicate, replicate_across, unreplicate
+from jdp._replication import place_like, refuse_consumed, replicate, unreplicate
 from jdp._state import TrainState
 from jdp._tree import PyTree, is_prng_key
 
@@ -114,6 +113,7 @@ class Checkpointer:
         step = int(step)
         if step < 0:
             raise ValueError(f"Checkpointer.save: step must be >= 0, got {step}.")
+        refuse_consumed(state, "Checkpointer.save")
         meta = {"format": FORMAT_VERSION, "static": _static_fields(state), "extra": extra}
         try:
             json.dumps(meta, allow_nan=False)
@@ -183,6 +183,7 @@ class Checkpointer:
             candidates = sorted(steps, reverse=True)
         if not candidates:
             raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+        refuse_consumed(template, "Checkpointer.restore (the template)")
         expected = _leaves(_one_copy(template))
         failures = []
         for candidate in _agreed(candidates):
@@ -202,6 +203,7 @@ class Checkpointer:
                 "Delete the damaged step directories or start from scratch."
             )
         meta = restored["meta"]
+        _check_format(meta, candidate, self.directory)
         _check_static(meta["static"], _static_fields(template), candidate)
         if failures:
             warnings.warn(
@@ -230,11 +232,21 @@ class Checkpointer:
             return None, e
 
     def latest_step(self) -> int | None:
-        """The newest checkpoint's step, or None."""
-        return self._manager.latest_step()
+        """The newest checkpoint's step, or None (read from disk, see :meth:`all_steps`)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Every complete checkpoint's step, oldest first."""
+        """Every complete checkpoint's step, oldest first.
+
+        Read from the directory, so another Checkpointer on the same folder
+        (an evaluation job watching a training run) is seen: Orbax keeps the
+        list it read when it opened. While this Checkpointer's own save is in
+        flight, the list it keeps is used.
+        """
+        if not self._manager.is_saving_in_progress():
+            with _quiet_orbax():
+                self._manager.reload()
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
@@ -284,6 +296,17 @@ def _quiet_orbax():
         logger.setLevel(level)
 
 
+def _check_format(meta: Any, step: int, directory: pathlib.Path) -> None:
+    """Refuses a checkpoint written in a format this jdp does not read."""
+    written = meta.get("format") if isinstance(meta, dict) else None
+    if written != FORMAT_VERSION:
+        raise ValueError(
+            f"Checkpoint {step} in {directory} has format {written!r}, but this jdp reads "
+            f"format {FORMAT_VERSION}: it was written by another jdp version (or not by "
+            "jdp). Restore it with the jdp that wrote it, or start from scratch."
+        )
+
+
 def _agreed(candidates: list[int]) -> list[int]:
     """Process 0's candidate steps, on every process."""
     if jax.process_count() == 1:
@@ -313,21 +336,10 @@ def _global_copy(tree: PyTree) -> PyTree:
     def one(x):
         if is_prng_key(x):
             x = jax.random.key_data(x)
-        if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+        layout = _layout.layout_of_leaf(x)
+        if layout is None:
             return np.asarray(jax.device_get(x))
-        if all(axis is None for axis in x.sharding.spec):
-            return x  # already a global replicated array (shard_map layout)
-        # The pmap layout: one global replicated array from every device's row.
-        # Across processes each holds its own devices' rows, so the mesh spans
-        # every process's devices. (Orbax's fully_replicated_host_local_array_
-        # to_global_array does this but keeps the leading axis when a process
-        # has one device: 4 processes x 1 device saved .step as shape (1,).)
-        several = jax.process_count() > 1 and x.is_fully_addressable
-        mesh = Mesh(np.array(jax.devices()), ("x",)) if several else x.sharding.mesh
-        rows = [s.data[0] for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
-        return jax.make_array_from_single_device_arrays(
-            x.shape[1:], NamedSharding(mesh, PartitionSpec()), rows
-        )
+        return layout.global_copy(x)
 
     return jax.tree.map(one, tree)
 
@@ -341,28 +353,16 @@ def _whole(tree: PyTree) -> PyTree:
     return _layout.logical(tree, lambda leaf: leaf)
 
 
-def _first_sharding(tree: PyTree) -> NamedSharding | None:
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            return leaf.sharding if isinstance(leaf.sharding, NamedSharding) else None
-    return None
-
-
 def _one_copy(tree: PyTree) -> PyTree:
     """Replica 0 of a replicated tree (either layout); other trees unchanged."""
-    return tree if _first_sharding(tree) is None else unreplicate(tree)
+    return tree if _layout.layout_of(tree) is None else unreplicate(tree)
 
 
 def _placement_like(template: PyTree) -> Callable[[PyTree], PyTree]:
     """Places a restored (logical, one-copy) tree the way ``template`` is placed."""
-    sharding: Any = _first_sharding(_layout.shared(template))
-    if sharding is None:
-        base = replicate
-    elif all(axis is None for axis in sharding.spec):
-        base = partial(replicate_across, mesh=sharding.mesh)
-    else:
-        base = partial(replicate, devices=list(sharding.mesh.devices.flat))
-    return lambda tree: _layout.place_like(template, tree, base)
+    if _layout.layout_of(template) is None:  # a host template: the pmap layout
+        return lambda tree: _layout.place_like(template, tree, replicate)
+    return partial(place_like, template)
 
 
 def _part(key) -> str:

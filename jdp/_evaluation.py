@@ -8,17 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp._backends import Runner
 from jdp._batching import AXIS_NAME, batch_size
-from jdp._replication import unreplicate
+from jdp._replication import refuse_consumed, unreplicate
 from jdp._steps import EvalStep, TrainStep
 from jdp._tree import PyTree
 from jdp._weighting import WeightedLoss, weighted_mean
+from jdp.backends import Runner
+from jdp.strategies import Strategy, data_parallel
 
 
 def make_eval_step(
     metric_fn: Callable[..., Mapping[str, jax.Array | WeightedLoss]],
     *,
+    strategy: Strategy | None = None,
     axis_name: str = AXIS_NAME,
     has_model_state: bool = False,
 ) -> EvalStep:
@@ -33,11 +35,33 @@ def make_eval_step(
     weights over the whole global batch. It reads the state and never
     consumes it: wrapped by :func:`jdp.pmap` or :func:`jdp.shard_map` it does
     not donate. Use :func:`evaluate` to run it over a dataset.
+
+    Args:
+      metric_fn: ``(params, batch[, model_state=]) -> dict`` as above.
+      strategy: the training step's strategy (default
+        :func:`jdp.strategies.data_parallel`): the metric function sees the
+        whole parameters under every strategy.
+      axis_name: the data axis.
+      has_model_state: pass ``state.model_state`` as ``model_state=``.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jdp
+      >>> evaluator = jdp.shard_map(jdp.make_eval_step(
+      ...     lambda p, b: {"err": jnp.abs(b["x"] * p - 1.0)}))
+      >>> state = evaluator.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
+      >>> jdp.evaluate(evaluator, state, [{"x": np.full(8, 3.0, np.float32)}])["err"]
+      2.0
     """
+    strategy = data_parallel() if strategy is None else strategy
+    if not isinstance(strategy, Strategy):
+        raise TypeError(
+            "make_eval_step: strategy must be a jdp.strategies value (e.g. the training "
+            f"step's, train_step.strategy), got {type(strategy).__name__}."
+        )
 
     def eval_step(state, batch):
         extra = {"model_state": state.model_state} if has_model_state else {}
-        values = metric_fn(state.params, batch, **extra)
+        values = metric_fn(strategy.whole_params(state, axis_name), batch, **extra)
         if not isinstance(values, Mapping):
             raise TypeError(
                 f"metric_fn must return a dict of per-example arrays or jdp.WeightedLoss "
@@ -56,7 +80,7 @@ def make_eval_step(
             sums[name] = (v.total.astype(jnp.float32), v.weight.astype(jnp.float32))
         return lax.psum(sums, axis_name)
 
-    return EvalStep(eval_step, axis_name)
+    return EvalStep(eval_step, axis_name, strategy)
 
 
 def evaluate(
@@ -95,6 +119,7 @@ def evaluate(
             "evaluate needs a wrapped evaluation step, jdp.pmap(jdp.make_eval_step(metric_fn)) "
             f"(or jdp.shard_map), got {type(wrapped_eval_step).__name__} wrapping {what}."
         )
+    refuse_consumed(state, "evaluate")
     outs = []
     for batch in batches:
         outs.append(unreplicate(wrapped_eval_step(state, wrapped_eval_step.shard(batch))))

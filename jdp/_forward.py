@@ -17,7 +17,6 @@ from jax import lax
 
 from jdp._batching import AXIS_NAME, batch_size
 from jdp._collectives import shape_refusing_collectives
-from jdp._metrics import RESERVED_METRICS
 from jdp._precision import Policy
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -181,9 +180,6 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
             f"With has_aux=True, aux must be a dict of arrays (it joins the "
             f"metrics), got {type(aux).__name__}."
         )
-    clash = sorted(set(aux) & set(RESERVED_METRICS))
-    if clash:
-        raise ValueError(f"aux keys {clash} are reserved for jdp's own metrics; rename them.")
     return loss, model_state, aux
 
 

@@ -1,23 +1,231 @@
-"""State that a strategy places per replica: the one seam the core knows.
+"""Where values live on the devices: the one module that knows layouts.
 
-Replication, checkpoints and the backends treat every leaf as one logical
-value held identically by each replica, except inside a :class:`PerReplica`
-node: a pytree node whose replicas hold different parts of one logical value
-(e.g. the optimizer state that :func:`jdp.strategies.zero1` splits). Such a
-node says how to read its logical value, which of its leaves every replica
-holds alike, and how to place a logical value the way it is placed itself.
-The core calls these methods and never names a strategy.
+A replicated value is held in one of two layouts:
+
+- :data:`LEADING_AXIS`: a leading device axis, row i on device i (the layout
+  ``jax.pmap`` consumes and :func:`jdp.replicate` produces). Its arrays are
+  sharded over a mesh whose one axis is :data:`DEVICE_AXIS`, so a pmap-layout
+  batch ``(n, B // n, ...)`` is told apart from a global batch of ``n``
+  examples by its sharding, not by its shape.
+- :data:`MESH_REPLICATED`: one global array held whole by every device of a
+  mesh (the layout of :func:`jdp.shard_map`).
+
+:func:`layout_of` answers which layout a tree is in; replication,
+checkpoints, the backends and ``jdp.testing`` ask it, and nothing else reads
+``sharding.spec``.
+
+Inside a :class:`PerReplica` node the replicas hold different parts of one
+logical value (e.g. the optimizer state that :func:`jdp.strategies.zero1`
+splits): such a node says how to read its logical value, which of its leaves
+every replica holds alike, and how to place a logical value the way it is
+placed itself. The core calls these methods and never names a strategy.
 """
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _tree
-from jdp._tree import PyTree
+from jdp._batching import DEVICE_AXIS
+from jdp._tree import PyTree, is_prng_key
 
 Replicate = Callable[[PyTree], PyTree]
+
+
+class Placement(NamedTuple):
+    """How a backend holds values on its devices, for a strategy's ``place``.
+
+    Attributes:
+      replicate: one host copy -> the backend's replicated layout.
+      rows: ``(n, ...)`` host rows -> a device array with row i held by the
+        device at index i of the data axis.
+      size: n, the devices of the data axis.
+    """
+
+    replicate: Replicate
+    rows: Callable[[Any], jax.Array]
+    size: int
+
+
+def place_rows(rows: np.ndarray, sharding: NamedSharding, row_of) -> jax.Array:
+    """Host rows ``(n, ...)`` as one device array: each device gets row ``row_of(device)``.
+
+    The layout of values a strategy places per replica (``sharding`` splits
+    the leading axis); with several processes each places its own devices' rows.
+    """
+    arrays = [
+        jax.device_put(rows[row_of(d)][None], d, may_alias=False)
+        for d in sharding.addressable_devices
+    ]
+    shape = (sharding.mesh.size,) + rows.shape[1:]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def rows_like(x: jax.Array, size: int) -> Callable[[Any], jax.Array]:
+    """``Placement.rows`` for rows placed as ``x`` (a per-replica leaf of ``size`` rows) is."""
+    sharding = x.sharding
+    if not isinstance(sharding, NamedSharding):
+        raise TypeError(f"A per-replica leaf must have a NamedSharding, got {sharding}.")
+    devices = list(sharding.mesh.devices.flat)
+    # pmap across processes: each process's mesh holds its own devices, and a
+    # device's row is its index among every process's devices.
+    row_of = devices.index if sharding.mesh.size == size else jax.devices().index
+    return lambda rows: place_rows(np.asarray(rows), sharding, row_of)
+
+
+def _copy(x, sharding: NamedSharding, leading: bool) -> jax.Array:
+    # One explicit copy per device: jax.device_put(x, sharding) reuses x's own
+    # buffer for the device x lives on (even with may_alias=False), and
+    # donating the replicated state would then delete the caller's array.
+    x = jnp.asarray(x)
+    if is_prng_key(x):
+        data = _copy(jax.random.key_data(x), sharding, leading)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    block = x[None] if leading else x
+    copies = [jax.device_put(block, d, may_alias=False) for d in sharding.addressable_devices]
+    shape = (sharding.mesh.size,) + x.shape if leading else x.shape
+    return jax.make_array_from_single_device_arrays(shape, sharding, copies)
+
+
+def _device_stacked(x) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and x.ndim >= 1
+        and isinstance(x.sharding, NamedSharding)
+        and len(x.sharding.spec) >= 1
+        and x.sharding.spec[0] is not None
+        and x.shape[0] == x.sharding.mesh.size
+    )
+
+
+def _mesh_replicated(x) -> bool:
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(x.sharding, NamedSharding)
+        and all(axis is None for axis in x.sharding.spec)
+    )
+
+
+def _first_row(x: jax.Array) -> jax.Array:
+    # The first replica this process holds: replica 0 in a single process.
+    first = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return first.data[0]
+
+
+def _rows_on_host(x: jax.Array) -> list[np.ndarray]:
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return [row for s in shards for row in np.asarray(jax.device_get(s.data))]
+
+
+def _stacked_global_copy(x: jax.Array) -> jax.Array:
+    # One global replicated array from every device's row. Across processes
+    # each holds its own devices' rows, so the mesh spans every process's
+    # devices. (Orbax's fully_replicated_host_local_array_to_global_array does
+    # this but keeps the leading axis when a process has one device: 4
+    # processes x 1 device saved .step as shape (1,).)
+    several = jax.process_count() > 1 and x.is_fully_addressable
+    mesh = Mesh(np.array(jax.devices()), ("x",)) if several else x.sharding.mesh  # type: ignore[attr-defined]
+    rows = [s.data[0] for s in sorted(x.addressable_shards, key=lambda s: s.device.id)]
+    return jax.make_array_from_single_device_arrays(
+        x.shape[1:], NamedSharding(mesh, PartitionSpec()), rows
+    )
+
+
+class Layout(NamedTuple):
+    """One way of holding a replicated value on the devices of a mesh.
+
+    Attributes:
+      name: for messages.
+      matches: whether a leaf is held in this layout.
+      copy: ``(value, mesh) -> array``: one host value placed in this layout.
+      replica0: this process's first replica of a leaf (replica 0 in one process).
+      replicas: every replica this process holds of a leaf, as host arrays.
+      global_copy: a leaf as one global array replicated over its devices
+        (what a checkpoint writes).
+      spec: the ``PartitionSpec`` of its arrays on their mesh.
+    """
+
+    name: str
+    matches: Callable[[Any], bool]
+    copy: Callable[[Any, Mesh], jax.Array]
+    replica0: Callable[[jax.Array], jax.Array]
+    replicas: Callable[[jax.Array], list[np.ndarray]]
+    global_copy: Callable[[jax.Array], jax.Array]
+    spec: PartitionSpec
+
+
+LEADING_AXIS = Layout(
+    "a leading device axis (the pmap layout)",
+    _device_stacked,
+    lambda x, mesh: _copy(x, NamedSharding(mesh, PartitionSpec(mesh.axis_names[0])), True),
+    _first_row,
+    _rows_on_host,
+    _stacked_global_copy,
+    PartitionSpec(DEVICE_AXIS),
+)
+
+MESH_REPLICATED = Layout(
+    "replicated across a mesh (the shard_map layout)",
+    _mesh_replicated,
+    lambda x, mesh: _copy(x, NamedSharding(mesh, PartitionSpec()), False),
+    lambda x: x.addressable_shards[0].data,
+    lambda x: [np.asarray(jax.device_get(s.data)) for s in x.addressable_shards],
+    lambda x: x,
+    PartitionSpec(),
+)
+
+LAYOUTS = (MESH_REPLICATED, LEADING_AXIS)
+
+
+def layout_of_leaf(x: Any) -> Layout | None:
+    """The layout of one replicated leaf, or None (a host value, one device)."""
+    if is_prng_key(x):
+        x = jax.random.key_data(x)
+    if not isinstance(x, jax.Array):
+        return None
+    return next((layout for layout in LAYOUTS if layout.matches(x)), None)
+
+
+def layout_of(tree: PyTree) -> Layout | None:
+    """The one layout the replicated leaves of ``tree`` are in (None: not placed).
+
+    Leaves a strategy placed per replica are left out. A tree with leaves in
+    both layouts, or with a leaf spread over devices in neither, is refused
+    naming the leaf.
+    """
+    found: tuple[str, Layout] | None = None
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shared(tree))[0]:
+        name = jax.tree_util.keystr(path) or "<root>"
+        layout = layout_of_leaf(leaf)
+        if layout is None:
+            if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
+                raise ValueError(
+                    f"Leaf {name} (shape {leaf.shape}, sharding {leaf.sharding}) is spread over "
+                    "devices in neither jdp layout (a leading device axis, or replicated "
+                    "across a mesh). Place the tree with a step's replicate."
+                )
+            continue
+        if found is not None and found[1] is not layout:
+            raise ValueError(
+                f"The tree mixes layouts: leaf {found[0]} is held with {found[1].name}, leaf "
+                f"{name} with {layout.name}. Place it once: tree = step.replicate(tree)."
+            )
+        found = (name, layout)
+    return None if found is None else found[1]
+
+
+def mesh_of(tree: PyTree) -> Mesh | None:
+    """The mesh the first placed leaf of ``tree`` lives on (None: none is placed)."""
+    for leaf in jax.tree.leaves(shared(tree)):
+        if is_prng_key(leaf):
+            leaf = jax.random.key_data(leaf)
+        if layout_of_leaf(leaf) is not None:
+            return leaf.sharding.mesh
+    return None
 
 
 @runtime_checkable

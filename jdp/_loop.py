@@ -6,23 +6,26 @@ iterable of host batches, prefetching, evaluation and a Checkpointer.
 
 import contextlib
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jdp import _tree, _watchdog
+from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
-from jdp._metrics import REPLICA_INVARIANT
 from jdp._replication import gather_replicas, unreplicate
 from jdp._steps import EvalStep
 from jdp._tree import PyTree
+from jdp.backends import Runner
+from jdp.metrics import Rule, rule_of
 
 
 @dataclasses.dataclass
@@ -39,22 +42,25 @@ class History:
     resumed_at: list[int] = dataclasses.field(default_factory=list)
 
 
+T = TypeVar("T")
+
+
 def fit(
-    train_step,
-    state: PyTree,
+    train_step: Runner,
+    state: T,
     train_data: Iterable[PyTree],
     *,
     num_steps: int,
-    eval_step=None,
+    eval_step: Runner | None = None,
     eval_data: Callable[[], Iterable[PyTree]] | None = None,
     eval_every: int | None = None,
     checkpointer: Checkpointer | None = None,
     checkpoint_every: int | None = None,
-    on_epoch_end: Callable[[int, PyTree], PyTree | None] | None = None,
+    on_epoch_end: Callable[[int, T], T | None] | None = None,
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
     log_every: int = 10,
     progress: bool = True,
-) -> tuple[PyTree, History]:
+) -> tuple[T, History]:
     """Trains until ``state.step == num_steps``, resuming from the latest checkpoint.
 
     Args:
@@ -94,6 +100,7 @@ def fit(
     _check_fit_args(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
+    check_int(log_every, "log_every", minimum=1, where="fit")
     state, history = _start(state, train_data, num_steps, checkpointer)
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
@@ -105,7 +112,7 @@ def fit(
     preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
     with _progress_bar(progress) as bar, preemptible:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
-        rows = _Rows(history, callbacks, bar, task)
+        rows = _Rows(history, callbacks, bar, task, _rules(train_step))
         while step < num_steps:
             _watchdog.set_phase("data loading", step + 1)
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
@@ -197,8 +204,10 @@ def _check_fit_args(
             "fit: train_step is an evaluation step (jdp.make_eval_step); pass a wrapped "
             "jdp.make_train_step as train_step and the evaluation step as eval_step."
         )
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
-        raise ValueError(f"fit: num_steps must be an int >= 0, got {num_steps!r}.")
+    check_int(num_steps, "num_steps", minimum=0, where="fit")
+    for name, every in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
+        if every is not None:
+            check_int(every, name, minimum=1, where="fit")
     if (eval_step is None) != (eval_data is None):
         given, missing = (
             ("eval_step", "eval_data") if eval_data is None else ("eval_data", "eval_step")
@@ -295,8 +304,18 @@ class _Rows:
     back and records the row.
     """
 
-    def __init__(self, history: History, callbacks: Sequence[Callable], bar: Progress, task):
+    def __init__(
+        self,
+        history: History,
+        callbacks: Sequence[Callable],
+        bar: Progress,
+        task,
+        rules: Mapping[str, Rule],
+    ):
         self.history, self.callbacks, self.bar, self.task = history, callbacks, bar, task
+        self.rules = rules
+        self._diverged = False
+        self._last: tuple[int, int] | None = None  # (step, skipped_steps) of the last row
         self._held: tuple[int, dict, float, int, list] | None = None
         self._weights: list[Any] = []
         self._tick, self._examples = time.perf_counter(), 0
@@ -320,9 +339,41 @@ class _Rows:
             rate = {"weight_per_s": float(np.sum(gather_replicas(weights))) / elapsed}
         else:
             rate = {"examples_per_s": examples / elapsed}
-        row = {"step": step, **rate, **_global_metrics(metrics)}
+        row = {"step": step, **rate, **_global_metrics(metrics, self.rules)}
+        self._warn_if_diverged(row)
         self.record("train", row)
         self.bar.update(self.task, completed=step, status=_status(row))
+
+    def _warn_if_diverged(self, row: dict[str, Any]) -> None:
+        """Once per run: a non-finite loss on a step that was not skipped, or only skipped steps.
+
+        Read from the row the loop reads back anyway, so it costs nothing on device.
+        """
+        if self._diverged:
+            return
+        step, loss, skipped = row["step"], row.get("loss"), row.get("skipped_steps")
+        taken = row.get("grads_finite", 1.0) > 0
+        message = None
+        if isinstance(loss, float) and not math.isfinite(loss) and taken:
+            message = (
+                f"fit: the loss is {loss} at step {step}, on a step that was not skipped: "
+                "training diverged (non-finite params, or a non-finite batch). Lower the "
+                "learning rate, clip gradients (jdp.clip_by_global_norm), or train with a "
+                "jdp.DynamicLossScale, which skips non-finite steps."
+            )
+        elif isinstance(skipped, int) and self._last is not None:
+            since, skipped_before = self._last
+            if step - since >= 10 and skipped - skipped_before == step - since:
+                message = (
+                    f"fit: every step from {since + 1} to {step} was skipped for non-finite "
+                    "gradients: lowering the loss scale does not help, so the params or the "
+                    "batches are non-finite. Check the data and the learning rate."
+                )
+        if isinstance(skipped, int):
+            self._last = (step, skipped)
+        if message is not None:
+            self._diverged = True
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
 
     def record(self, split: str, row: dict[str, Any]) -> None:
         getattr(self.history, split).append(row)
@@ -330,21 +381,19 @@ class _Rows:
             callback({"split": split, **row})
 
 
-def _global_metrics(metrics: dict) -> dict[str, Any]:
-    """Global values by the step's own weighting, plus per-replica lists."""
+def _rules(train_step) -> dict[str, Rule]:
+    """The metric rules the wrapped step carries (none for a plain function)."""
+    return dict(getattr(getattr(train_step, "step", None), "metric_rules", ()))
+
+
+def _global_metrics(metrics: dict, rules: Mapping[str, Rule]) -> dict[str, Any]:
+    """Each metric combined over replicas by its own rule, plus per-replica lists."""
     host = gather_replicas(metrics)
     weight = np.asarray(host["weight"], np.float64) if "weight" in host else None
     row: dict[str, Any] = {}
     for name, value in host.items():
-        value = np.asarray(value, np.float64)
-        if name == "weight":
-            row[name] = float(value.sum())
-        elif weight is None or name in REPLICA_INVARIANT or value.shape != weight.shape:
-            row[name] = float(value.mean())
-        else:
-            total = weight.sum()
-            row[name] = float((value * weight).sum() / total) if total > 0 else 0.0
-        row[f"{name}_per_replica"] = value.tolist()
+        row[name] = rule_of(rules, name)(np.asarray(value), weight)
+        row[f"{name}_per_replica"] = np.asarray(value).tolist()
     return row
 
 

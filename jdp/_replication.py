@@ -1,13 +1,14 @@
 """One copy of a pytree per device: replicate, read back, broadcast, check."""
 
 from collections.abc import Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from jdp import _layout
 from jdp._batching import AXIS_NAME, leaves_with_paths, local_mesh
@@ -16,13 +17,15 @@ from jdp.distributed import from_process0
 
 
 def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
-    """Puts one identical copy of ``tree`` on every local device.
+    """Puts one identical copy of ``tree`` on every local device, in the pmap layout.
 
     Each leaf of shape ``S`` becomes an array of shape ``(n, *S)`` sharded
     along its leading axis, the layout ``jax.pmap`` consumes and produces.
     This is the initial parameter sync of data-parallel training; with
     several processes, every process first receives process 0's values, so
-    all start identical even when they were seeded differently.
+    all start identical even when they were seeded differently. A
+    :func:`jdp.shard_map` step takes this layout too (it re-places the state
+    once); ``step.replicate`` places a state as its own backend holds it.
 
     Args:
       tree: a pytree of arrays or Python/NumPy scalars.
@@ -34,8 +37,11 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
       (8, 3)
     """
     _check_single_copy(tree, "replicate")
-    sharding = NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
-    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), from_process0(tree))
+    return _copies(from_process0(tree), _layout.LEADING_AXIS, local_mesh(devices))
+
+
+def _copies(tree: PyTree, layout: _layout.Layout, mesh: Mesh) -> PyTree:
+    return jax.tree.map(lambda x: layout.copy(x, mesh), tree)
 
 
 def _check_single_copy(tree: PyTree, what: str) -> None:
@@ -63,37 +69,36 @@ def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
       ((3,), True)
     """
     _check_single_copy(tree, "replicate_across")
-    sharding = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: _copy_to_every_device(x, sharding), from_process0(tree))
+    return _copies(from_process0(tree), _layout.MESH_REPLICATED, mesh)
 
 
-def _copy_to_every_device(x, sharding: NamedSharding) -> jax.Array:
-    # One explicit copy per device: jax.device_put(x, sharding) reuses x's own
-    # buffer for the device x lives on (even with may_alias=False), and
-    # donating the replicated state would then delete the caller's array.
-    x = jnp.asarray(x)
-    if is_prng_key(x):
-        data = _copy_to_every_device(jax.random.key_data(x), sharding)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    leading = sharding.spec != PartitionSpec()
-    block = x[None] if leading else x
-    copies = [jax.device_put(block, d, may_alias=False) for d in sharding.addressable_devices]
-    shape = (sharding.mesh.size,) + x.shape if leading else x.shape
-    return jax.make_array_from_single_device_arrays(shape, sharding, copies)
+def placement(layout: _layout.Layout, mesh: Mesh, rows: NamedSharding, row_of) -> _layout.Placement:
+    """What a backend holding its state in ``layout`` on ``mesh`` gives a strategy's ``place``.
 
-
-def place_rows(rows: np.ndarray, sharding: NamedSharding, row_of) -> jax.Array:
-    """Host rows ``(n, ...)`` as one device array: each device gets row ``row_of(device)``.
-
-    The layout of values a strategy places per replica (``sharding`` splits
-    the leading axis); with several processes each places its own devices' rows.
+    ``rows`` splits a per-replica value's leading axis; ``row_of(device)`` is
+    the device's index on the data axis.
     """
-    arrays = [
-        jax.device_put(rows[row_of(d)][None], d, may_alias=False)
-        for d in sharding.addressable_devices
-    ]
-    shape = (sharding.mesh.size,) + rows.shape[1:]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+    def replicate_tree(tree: PyTree) -> PyTree:
+        _check_single_copy(tree, "replicate")
+        return _copies(from_process0(tree), layout, mesh)
+
+    return _layout.Placement(
+        replicate_tree, partial(_layout.place_rows, sharding=rows, row_of=row_of), mesh.size
+    )
+
+
+def place_like(template: PyTree, value: PyTree) -> PyTree:
+    """``value`` (one logical copy) placed the way the placed tree ``template`` is.
+
+    Replicated leaves go into ``template``'s layout on its mesh; a strategy's
+    per-replica nodes place their own parts.
+    """
+    layout = _layout.layout_of(template) or _layout.LEADING_AXIS
+    mesh = _layout.mesh_of(template) or local_mesh()
+    if layout is _layout.LEADING_AXIS:  # host-local rows, as jdp.replicate places them
+        mesh = local_mesh([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+    return _layout.place_like(template, value, lambda tree: _copies(tree, layout, mesh))
 
 
 def unreplicate(tree: PyTree) -> PyTree:
@@ -101,7 +106,9 @@ def unreplicate(tree: PyTree) -> PyTree:
 
     Works on both layouts: a leading device axis (``jdp.replicate``, pmap
     outputs) and global arrays replicated across a mesh
-    (``jdp.shard_map(...).replicate``), whose local copy is returned.
+    (``jdp.shard_map(...).replicate``), whose local copy is returned. State a
+    strategy placed per replica (e.g. zero1's split optimizer state) comes
+    back whole.
 
     Example:
       >>> import jax.numpy as jnp, jdp
@@ -109,14 +116,14 @@ def unreplicate(tree: PyTree) -> PyTree:
       (3,)
     """
     _check_replicated(tree, "unreplicate")
-    # State a strategy placed per replica (e.g. a split optimizer state) comes back whole.
     return _layout.logical(tree, _replica0)
 
 
 def _check_replicated(tree: PyTree, what: str) -> None:
     """Refuses trees that were never replicated (whose row 0 is not a replica)."""
+    refuse_consumed(tree, what)
     for name, leaf in leaves_with_paths(tree, f"{what} input"):
-        if _is_mesh_replicated(leaf) or _is_device_stacked(leaf):
+        if _layout.layout_of_leaf(leaf) is not None:
             continue
         raise ValueError(
             f"{what} expects a replicated tree (jdp.replicate, a step's state or "
@@ -129,33 +136,32 @@ def _check_replicated(tree: PyTree, what: str) -> None:
         )
 
 
-def _is_device_stacked(x) -> bool:
-    """A leading device axis sharded one row per device (the pmap layout)."""
-    return (
-        isinstance(x, jax.Array)
-        and x.ndim >= 1
-        and isinstance(x.sharding, NamedSharding)
-        and len(x.sharding.spec) >= 1
-        and x.sharding.spec[0] is not None
-        and x.shape[0] == x.sharding.mesh.size
-    )
+def refuse_consumed(tree: PyTree, what: str) -> None:
+    """Refuses a tree whose buffers a step donated, naming the leaf (before JAX's bare error)."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        tracer = isinstance(leaf, jax.core.Tracer)
+        if isinstance(leaf, jax.Array) and not tracer and leaf.is_deleted():
+            name = jax.tree_util.keystr(path) or "<root>"
+            raise RuntimeError(
+                f"{what}: leaf {name} was consumed by an earlier step call: {CONSUMED}"
+            )
 
 
-def _is_mesh_replicated(x) -> bool:
-    """A global array held whole on every device (the shard_map layout)."""
-    return (
-        isinstance(x, jax.Array)
-        and isinstance(x.sharding, NamedSharding)
-        and all(axis is None for axis in x.sharding.spec)
-    )
+CONSUMED = (
+    "steps donate their input state's buffers to the new state (jdp.pmap/jdp.shard_map "
+    "donate_state). Use the state the step returned (state, metrics = step(state, batch)); "
+    "after re-running a notebook cell, re-create or restore the state."
+)
 
 
 def _replica0(x):
-    if _is_mesh_replicated(x):
-        return x.addressable_shards[0].data
-    # The first replica this process holds: replica 0 in a single process.
-    first = min(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return first.data[0]
+    layout = _layout.layout_of_leaf(x)
+    if layout is None:
+        raise ValueError(f"Not a replicated array: shape {np.shape(x)}.")
+    if is_prng_key(x):
+        data = layout.replica0(jax.random.key_data(x))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    return layout.replica0(x)
 
 
 def gather_replicas(tree: PyTree) -> PyTree:
@@ -184,21 +190,19 @@ def gather_replicas(tree: PyTree) -> PyTree:
     return jax.tree.map(gather, tree)
 
 
-def sync_replicas(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
+def sync_replicas(tree: PyTree) -> PyTree:
     """Copies replica 0 to every device, outside a step (e.g. after a restore).
+
+    Either layout, and every strategy's state: values a strategy placed per
+    replica (zero1's optimizer slices) are re-placed from replica 0's
+    logical value. With several processes, process 0's values are used.
 
     Example:
       >>> import jax.numpy as jnp, jdp
       >>> state = jdp.sync_replicas(jdp.replicate({"w": jnp.ones(3)}))
       >>> jdp.assert_replicas_in_sync(state)
     """
-    copy = from_process0(unreplicate(tree))
-    leading = NamedSharding(local_mesh(devices), PartitionSpec(AXIS_NAME))
-
-    def place(x, value):
-        return _copy_to_every_device(value, x.sharding if _is_mesh_replicated(x) else leading)
-
-    return jax.tree.map(place, tree, copy)
+    return place_like(tree, from_process0(unreplicate(tree)))
 
 
 def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTree:
@@ -278,11 +282,9 @@ def _assert_rows_close(
 def _replicas(x) -> list[np.ndarray]:
     if is_prng_key(x):
         x = jax.random.key_data(x)
-    if _is_mesh_replicated(x):
-        return [np.asarray(jax.device_get(s.data)) for s in x.addressable_shards]
-    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    blocks = [np.asarray(jax.device_get(s.data)) for s in shards]
-    return [row for block in blocks for row in block]
+    layout = _layout.layout_of_leaf(x)
+    assert layout is not None  # _check_replicated ran first
+    return layout.replicas(x)
 
 
 def _close(a: np.ndarray, b: np.ndarray, atol: float) -> bool:

@@ -1,6 +1,6 @@
 """TrainState: everything a training step changes, in one pytree."""
 
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +31,11 @@ class TrainState:
     Subclasses with extra fields are frozen dataclasses and pytrees
     automatically (like Flax's ``struct.PyTreeNode``), so they replicate,
     run under both backends and checkpoint like the base class; mark
-    hyperparameters with ``jdp.pytree.static_field()``:
+    hyperparameters with ``jdp.static_field()``:
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jdp
-      >>> from typing import Any
+      >>> from typing import Any, Self
       >>> class EMAState(jdp.TrainState):
       ...     ema: Any = None
       >>> s = EMAState.create(params=jnp.ones(2), tx=optax.sgd(0.1), ema=jnp.zeros(2))
@@ -66,7 +66,7 @@ class TrainState:
         model_state: PyTree = None,
         rng: jax.Array | None = None,
         **fields: Any,
-    ) -> "TrainState":
+    ) -> Self:
         """A fresh state at step 0 with ``tx.init(params)``.
 
         Args:
@@ -113,7 +113,7 @@ class TrainState:
             **fields,
         )
 
-    def replace(self, **changes: Any) -> "TrainState":
+    def replace(self, **changes: Any) -> Self:
         """A copy with some fields changed."""
         return pytree.replace(self, **changes)
 

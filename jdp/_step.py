@@ -6,20 +6,43 @@ replicas: the step calls ``strategy.gradients``, unscales, calls
 """
 
 import warnings
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.typing import DTypeLike
 
+from jdp import metrics as _metrics
 from jdp._batching import AXIS_NAME, leaves_with_paths
 from jdp._forward import Forward, make_forward
-from jdp._metrics import learning_rate
+from jdp._loss_scale import NoOpLossScale
 from jdp._precision import Policy, as_policy
 from jdp._state import TrainState
 from jdp._steps import Metrics, TrainStep
 from jdp._tree import PyTree
+from jdp.metrics import Metric, StepView
 from jdp.strategies import Strategy, data_parallel, exact, zero1
+
+# Keyword arguments replaced by strategies: (deprecated in, removed in, the replacement).
+DEPRECATED = {
+    "grad_reduce": ("0.1.0", "0.2.0", "strategy=jdp.strategies.data_parallel(reduce=...)"),
+    "accumulate_steps": (
+        "0.1.0",
+        "0.2.0",
+        "strategy=jdp.strategies.data_parallel(accumulate_steps=...)",
+    ),
+    "virtual_replicas": ("0.1.0", "0.2.0", "strategy=jdp.strategies.exact(virtual_replicas)"),
+    "shard_optimizer": ("0.1.0", "0.2.0", "strategy=jdp.strategies.zero1()"),
+}
+
+# The rules of the metrics every step returns: the loss, its weight and apply_gradients' own.
+_OWN_RULES = {
+    "loss": _metrics.weighted_mean,
+    "weight": _metrics.total,
+    "grads_finite": _metrics.same,
+    "loss_scale": _metrics.same,
+    "skipped_steps": _metrics.exact_int,
+}
 
 
 def make_train_step(
@@ -31,12 +54,10 @@ def make_train_step(
     has_model_state: bool = False,
     has_rng: bool = False,
     precision: Policy | DTypeLike | None = None,
+    metrics: Sequence[Metric] = (),
     log_grad_norm: bool = False,
     log_learning_rate: bool | Callable[[jax.Array], jax.Array] = False,
-    grad_reduce: Literal["mean", "sum"] | None = None,
-    accumulate_steps: int | None = None,
-    virtual_replicas: int | None = None,
-    shard_optimizer: bool | None = None,
+    **deprecated: Any,
 ) -> TrainStep:
     """Builds a pure per-replica step ``(state, batch) -> (state, metrics)``.
 
@@ -90,16 +111,19 @@ def make_train_step(
         batch leaves the policy names, are cast for the forward and backward
         pass; master params, optimizer state, the all-reduce and the update
         stay in their own dtype.
-      log_grad_norm: add ``grad_norm``, the global norm of the reduced,
-        unscaled gradients, to the metrics.
-      log_learning_rate: add ``learning_rate``, the rate this step used:
-        ``True`` reads it from ``optax.inject_hyperparams`` state; an optax
-        schedule (the one given to the optimizer) is evaluated at the
-        optimizer's own count, which skipped steps do not advance.
-      grad_reduce: deprecated, ``strategy=data_parallel(reduce=...)``.
-      accumulate_steps: deprecated, ``strategy=data_parallel(accumulate_steps=...)``.
-      virtual_replicas: deprecated, ``strategy=exact(virtual_replicas)``.
-      shard_optimizer: deprecated, ``strategy=zero1()``.
+      metrics: more metrics, :class:`jdp.metrics.Metric` values (e.g.
+        ``jdp.metrics.grad_norm()``); each carries the rule by which
+        ``jdp.fit`` combines replicas.
+      log_grad_norm: ``metrics=[jdp.metrics.grad_norm()]``: ``grad_norm``,
+        the global norm of the reduced, unscaled gradients.
+      log_learning_rate: ``metrics=[jdp.metrics.learning_rate(source)]``:
+        ``learning_rate``, the rate this step used. ``True`` reads it from
+        ``optax.inject_hyperparams`` state; an optax schedule (the one given
+        to the optimizer) is evaluated at the optimizer's own count, which
+        skipped steps do not advance.
+      **deprecated: ``grad_reduce``, ``accumulate_steps``,
+        ``virtual_replicas`` and ``shard_optimizer``, deprecated in 0.1.0 and
+        removed in 0.2.0 (:data:`DEPRECATED` names each one's strategy).
 
     Returns:
       A :class:`jdp.TrainStep`. Its metrics hold ``loss`` (this replica's weighted mean,
@@ -122,18 +146,50 @@ def make_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {loss_fn!r}.")
-    legacy = {
-        "grad_reduce": grad_reduce,
-        "accumulate_steps": accumulate_steps,
-        "virtual_replicas": virtual_replicas,
-        "shard_optimizer": shard_optimizer,
-    }
-    strategy = _strategy(strategy, {k: v for k, v in legacy.items() if v is not None})
-    forward = make_forward(loss_fn, as_policy(precision), has_aux, has_model_state, has_rng)
-    fn = _build_step(
-        forward, strategy, axis_name, has_model_state, has_rng, log_grad_norm, log_learning_rate
-    )
-    return TrainStep(fn, axis_name, strategy)
+    unknown = sorted(set(deprecated) - set(DEPRECATED))
+    if unknown:
+        raise TypeError(f"make_train_step() got an unexpected keyword argument {unknown[0]!r}.")
+    strategy = _strategy(strategy, {k: v for k, v in deprecated.items() if v is not None})
+    requested = _requested_metrics(metrics, log_grad_norm, log_learning_rate)
+    policy = as_policy(precision)
+    forward = make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
+    fn = _build_step(forward, strategy, axis_name, has_model_state, has_rng, requested, policy)
+    rules = {**_OWN_RULES, **dict(strategy.metric_rules), **{m.name: m.rule for m in requested}}
+    return TrainStep(fn, axis_name, strategy, tuple(rules.items()))
+
+
+def _requested_metrics(
+    metrics: Sequence[Metric],
+    log_grad_norm: bool,
+    log_learning_rate: bool | Callable[[jax.Array], jax.Array],
+) -> tuple[Metric, ...]:
+    """``metrics``, with the two flags as their Metric values, checked once."""
+    if isinstance(metrics, Metric) or not isinstance(metrics, Sequence):
+        raise TypeError(
+            "make_train_step: metrics must be a list of jdp.metrics.Metric values, e.g. "
+            f"metrics=[jdp.metrics.grad_norm()], got {metrics!r:.80}."
+        )
+    out = list(metrics)
+    for m in out:
+        if not isinstance(m, Metric):
+            raise TypeError(
+                f"make_train_step: metrics holds {m!r:.60}, not a jdp.metrics.Metric; build one "
+                "with jdp.metrics.Metric(name, compute, rule)."
+            )
+    if not isinstance(log_grad_norm, bool):
+        raise TypeError(f"make_train_step: log_grad_norm must be a bool, got {log_grad_norm!r}.")
+    if log_grad_norm:
+        out.append(_metrics.grad_norm())
+    if log_learning_rate is not False:
+        out.append(_metrics.learning_rate(log_learning_rate))
+    names = [m.name for m in out]
+    repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(_OWN_RULES)))
+    if repeated:
+        raise ValueError(
+            f"make_train_step: metric names {repeated} are given twice or are the step's own "
+            "(loss, weight, grads_finite, loss_scale, skipped_steps); rename them."
+        )
+    return tuple(out)
 
 
 def _strategy(strategy: Strategy | None, legacy: dict[str, Any]) -> Strategy:
@@ -152,6 +208,7 @@ def _strategy(strategy: Strategy | None, legacy: dict[str, Any]) -> Strategy:
             "pass the options to the strategy's constructor instead, e.g. "
             "strategy=jdp.strategies.data_parallel(accumulate_steps=2)."
         )
+    deprecated = dict(legacy)
     shard = legacy.pop("shard_optimizer", False)
     if not isinstance(shard, bool):
         raise TypeError(f"make_train_step: shard_optimizer must be a bool, got {shard!r}.")
@@ -167,8 +224,9 @@ def _strategy(strategy: Strategy | None, legacy: dict[str, Any]) -> Strategy:
     replacement = {"exact": f"exact({g})", "zero1": "zero1(...)"}.get(
         built.name, "data_parallel(...)"
     )
+    since, removal, _ = DEPRECATED[next(iter(deprecated))]
     warnings.warn(
-        f"make_train_step({names}) is deprecated; pass "
+        f"make_train_step({names}) is deprecated in {since} and removed in {removal}; pass "
         f"strategy=jdp.strategies.{replacement} instead (same result).",
         DeprecationWarning,
         stacklevel=3,
@@ -182,30 +240,52 @@ def _build_step(
     axis_name: str,
     has_model_state: bool,
     has_rng: bool,
-    log_grad_norm: bool,
-    log_learning_rate: bool | Callable[[jax.Array], jax.Array],
+    requested: tuple[Metric, ...],
+    policy: Policy | None,
 ) -> Callable[[TrainState, PyTree], tuple[TrainState, Metrics]]:
     """The per-replica step around ``forward``: reduction, update, metrics."""
 
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         _check_state(state, has_model_state, has_rng)
+        _warn_float16_unscaled(policy, state)
         out = strategy.gradients(forward, state, batch, axis_name)
         grads = state.loss_scale.unscale(out.grads)
         before = state
         model_state = out.model_state if has_model_state else None
         state, info = strategy.update(state, grads, model_state, axis_name)
-        metrics = {"loss": out.loss, **out.aux, **info}
-        if out.weight is not None:
-            metrics["weight"] = out.weight
-        if log_grad_norm:
-            metrics["grad_norm"] = strategy.global_norm(grads, before.params, axis_name)
-        if log_learning_rate is not False:
-            metrics["learning_rate"] = learning_rate(
-                log_learning_rate, before.opt_state, state.opt_state
+        own = {"loss": out.loss, **info, **({} if out.weight is None else {"weight": out.weight})}
+        clash = sorted(set(out.aux) & (set(own) | set(_OWN_RULES) | {m.name for m in requested}))
+        if clash:
+            raise ValueError(
+                f"aux keys {clash} are reserved for jdp's own metrics (or the step's metrics=); "
+                "rename them."
             )
-        return state, metrics
+        view = StepView(
+            before,
+            state,
+            grads,
+            lambda g: strategy.global_norm(g, before.params, axis_name),
+            axis_name,
+        )
+        return state, {**out.aux, **own, **{m.name: m.compute(view) for m in requested}}
 
     return train_step
+
+
+def _warn_float16_unscaled(policy: Policy | None, state: TrainState) -> None:
+    """float16 gradients without a loss scale underflow (to zero: no update) on most models."""
+    dtype = None if policy is None else policy.compute_dtype
+    if dtype is None or jax.numpy.dtype(dtype) != jax.numpy.float16:
+        return
+    if isinstance(state.loss_scale, NoOpLossScale):
+        warnings.warn(
+            "make_train_step(precision=float16) with no loss scale: float16 gradients below "
+            "6e-8 round to zero, so small gradients (most of a deep model's) make no update. "
+            "Train with TrainState.create(..., loss_scale=jdp.DynamicLossScale(2.0**15)), or "
+            "use bfloat16 (float32's range, no scale needed).",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _check_state(state: object, has_model_state: bool, has_rng: bool) -> None:

@@ -14,9 +14,11 @@ from typing import Any, ClassVar, TypeVar
 import jax
 
 from jdp._batching import AXIS_NAME
+from jdp._layout import Placement
 from jdp._state import TrainState
 from jdp._tree import PyTree
-from jdp.strategies import Placement, Strategy, data_parallel
+from jdp.metrics import Rule
+from jdp.strategies import Strategy, data_parallel
 
 Metrics = dict[str, jax.Array]
 StepFn = Callable[[Any, PyTree], Any]
@@ -34,11 +36,15 @@ class TrainStep:
       fn: the per-replica function.
       axis_name: the data axis it reduces over.
       strategy: how gradients cross replicas and where the state lives.
+      metric_rules: ``(name, rule)`` for each metric it returns
+        (:mod:`jdp.metrics`): how ``jdp.fit`` combines replicas' values.
+        Metrics without a rule (a wrapper's own) weigh by the step's weight.
     """
 
     fn: StepFn
     axis_name: str = AXIS_NAME
     strategy: Strategy = dataclasses.field(default_factory=data_parallel)
+    metric_rules: tuple[tuple[str, Rule], ...] = ()
     returns_state: ClassVar[bool] = True
 
     def __call__(self, state: Any, batch: PyTree) -> Any:
@@ -61,16 +67,26 @@ class EvalStep:
     """A per-replica evaluation step ``(state, batch) -> sums`` (it returns no state).
 
     Built by :func:`jdp.make_eval_step`. Backends never donate its state.
+
+    Attributes:
+      fn: the per-replica function.
+      axis_name: the data axis it sums over.
+      strategy: the training step's strategy: it places the state and gives
+        the evaluation forward the whole parameters.
     """
 
     fn: StepFn
     axis_name: str = AXIS_NAME
+    strategy: Strategy = dataclasses.field(default_factory=data_parallel)
     returns_state: ClassVar[bool] = False
 
     def __call__(self, state: Any, batch: PyTree) -> Any:
         return self.fn(state, batch)
 
     def place(self, tree: PyTree, placement: Placement) -> PyTree:
+        """A host tree on the devices: a TrainState as the strategy places it."""
+        if isinstance(tree, TrainState):
+            return self.strategy.place(tree, placement)
         return placement.replicate(tree)
 
     compiler_options: ClassVar[None] = None

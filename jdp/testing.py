@@ -1,14 +1,15 @@
 """Harnesses for checking jdp's guarantees on your own model and machine."""
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
 
-from jdp._backends import PmapStep, ShardMapStep, pmap, shard_map
+from jdp._replication import assert_replicas_in_sync
 from jdp._steps import TrainStep
 from jdp._tree import PyTree, is_prng_key
+from jdp.backends import BACKENDS, Backend, pmap, shard_map
 
 
 def check_exact(
@@ -17,21 +18,25 @@ def check_exact(
     batches: Sequence[PyTree],
     *,
     device_counts: Sequence[int] = (1, 2, 4, 8),
-    backend: Literal["pmap", "shard_map"] = "pmap",
+    backend: Callable[..., Backend[Any]] = shard_map,
     devices: Sequence[jax.Device] | None = None,
 ) -> dict[int, Any]:
     """Runs a few steps at several device counts and checks the bits agree.
 
     A self-check for your model, hardware and XLA version: exact mode's
     guarantee rests on how XLA compiles the step, so check it where you run.
+    After every step, every replica of every device count is compared with
+    replica 0 (a replica that drifts is named the step it happens); at the
+    end, every device count's state and metrics with the first count's.
 
     Args:
       make_step: builds the per-replica step, e.g.
         ``lambda: jdp.make_train_step(loss_fn, strategy=jdp.strategies.exact(8))``.
       state: the initial (unreplicated) state.
-      batches: global host batches to train on.
-      device_counts: the device counts to compare (subsets of ``devices``).
-      backend: ``"pmap"`` or ``"shard_map"``.
+      batches: global host batches to train on (at least one).
+      device_counts: the device counts to compare, each between 1 and the
+        number of ``devices``.
+      backend: :func:`jdp.shard_map` or :func:`jdp.pmap`.
       devices: default ``jax.local_devices()``.
 
     Returns:
@@ -41,32 +46,70 @@ def check_exact(
 
     Raises:
       AssertionError: naming the first leaf (of the state or the metrics)
-        that differs between device counts, the counts and the largest
-        difference.
+        that differs between device counts or between the replicas of one
+        count, the counts or the replica, and the largest difference.
+      ValueError: a device count this machine cannot run, no batches, or a
+        step that is not in exact mode.
     """
-
     devices = list(devices or jax.local_devices())
+    _check_arguments(make_step, batches, device_counts, backend, len(devices))
     results: dict[int, Any] = {}
     for n in device_counts:
-        step: PmapStep | ShardMapStep
-        if backend == "pmap":
-            step = pmap(make_step(), devices=devices[:n])
-        else:
-            step = shard_map(
-                make_step(), mesh=jax.sharding.Mesh(np.asarray(devices[:n]), ("batch",))
-            )
-        placed = step.replicate(state)
-        metrics: dict[str, Any] = {}
-        for batch in batches:
-            placed, metrics = step(placed, step.shard(batch))
-        # Device 0's metrics; "weight" is each device's own share, so it is left out.
-        first = {name: m[0] for name, m in metrics.items() if name != "weight"}
-        host = jax.device_get((step.unreplicate(placed), first))
-        results[n] = host
+        results[n] = _run(make_step, state, batches, backend, devices[:n])
     reference = device_counts[0]
     for n in device_counts[1:]:
         _assert_bitwise(results[reference], results[n], reference, n)
     return results
+
+
+def _check_arguments(make_step, batches, device_counts, backend, available: int) -> None:
+    if backend not in BACKENDS:
+        raise TypeError(
+            f"check_exact: backend must be jdp.shard_map or jdp.pmap (the function), got {backend!r}."
+        )
+    counts = list(device_counts)
+    if not counts or any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
+        raise TypeError(
+            f"check_exact: device_counts must be a sequence of ints, got {device_counts!r}."
+        )
+    if any(not 1 <= n <= available for n in counts):
+        raise ValueError(
+            f"check_exact: device_counts={tuple(counts)} but {available} devices are here; "
+            f"each count must be between 1 and {available} (e.g. jdp.force_cpu_devices(8) "
+            "before JAX starts, on a CPU)."
+        )
+    if len(batches) == 0:
+        raise ValueError("check_exact: batches is empty; pass at least one global batch.")
+    step = make_step()
+    strategy = getattr(step, "strategy", None)
+    if not isinstance(step, TrainStep) or strategy is None or strategy.name != "exact":
+        name = strategy.name if strategy is not None else type(step).__name__
+        raise ValueError(
+            f"check_exact: the step is not in exact mode (its strategy is {name}); only "
+            "exact mode promises the same bits on every device count. Build it with "
+            "jdp.make_train_step(loss, strategy=jdp.strategies.exact(G))."
+        )
+
+
+def _run(make_step, state, batches, backend, devices) -> Any:
+    n = len(devices)
+    if backend is pmap:
+        step = pmap(make_step(), devices=devices)
+    else:
+        step = shard_map(make_step(), mesh=jax.sharding.Mesh(np.asarray(devices), ("batch",)))
+    placed = step.replicate(state)
+    metrics: dict[str, Any] = {}
+    for i, batch in enumerate(batches):
+        placed, metrics = step(placed, step.shard(batch))
+        try:
+            assert_replicas_in_sync(placed)
+        except AssertionError as e:
+            raise AssertionError(
+                f"Exact mode broke on {n} devices after step {i + 1}: {e}"
+            ) from None
+    # Device 0's metrics; "weight" is each device's own share, so it is left out.
+    first = {name: m[0] for name, m in metrics.items() if name != "weight"}
+    return jax.device_get((step.unreplicate(placed), first))
 
 
 def _assert_bitwise(a, b, n_a: int, n_b: int) -> None:

@@ -13,11 +13,12 @@ import sys
 # checkpoints, backends, the loop) knows no strategy but the default one the
 # step types name.
 LAYERS = [
-    ["jdp._version", "jdp._tree", "jdp._devices", "jdp._watchdog"],
+    ["jdp._version", "jdp._args", "jdp._tree", "jdp._devices", "jdp._watchdog"],
     ["jdp.distributed", "jdp._batching", "jdp._collectives", "jdp._conv_layout"],
     ["jdp._layout", "jdp._weighting", "jdp._loss_scale", "jdp._precision"],
-    ["jdp._replication", "jdp._state", "jdp._metrics"],
+    ["jdp._replication", "jdp._state"],
     ["jdp._forward", "jdp._update"],
+    ["jdp.metrics._base", "jdp.metrics._builtin", "jdp.metrics._fingerprint", "jdp.metrics"],
     [
         "jdp.strategies._base",
         "jdp.strategies._elementwise",
@@ -28,10 +29,12 @@ LAYERS = [
         "jdp.strategies",
     ],
     ["jdp._steps", "jdp._step"],
-    ["jdp._backends"],
+    ["jdp.backends._checks", "jdp.backends._runner"],
+    ["jdp.backends._shard_map"],
+    ["jdp.backends._pmap", "jdp.backends"],
     ["jdp.testing", "jdp._evaluation", "jdp._checkpoint", "jdp._data", "jdp._tensorboard"],
     ["jdp._loop", "jdp.nnx"],
-    ["jdp", "jdp.launch", "jdp.demo", "jdp.__main__"],
+    ["jdp", "jdp.launch", "jdp.demo"],
 ]
 
 

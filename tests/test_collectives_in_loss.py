@@ -21,7 +21,6 @@ from jax import lax
 import jdp
 from tests import models
 
-BACKENDS = ["pmap", "shard_map"]
 TEMPERATURE = 0.5
 
 
@@ -79,7 +78,6 @@ def sync_bn_loss(axis_name):
     return loss_fn
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_contrastive_loss_with_global_negatives_equals_single_device(backend):
     data = contrastive_data()
     tx = optax.sgd(0.5)
@@ -90,7 +88,6 @@ def test_contrastive_loss_with_global_negatives_equals_single_device(backend):
     models.assert_trees_close(final.params, expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_sync_batch_norm_equals_single_device(backend):
     variables = SyncBN(None).init(jax.random.key(0), jnp.zeros((1, 6)))
     data = [models.classification_batch(32, seed=40 + i) for i in range(4)]
@@ -122,7 +119,6 @@ MICRO_BATCH_MODES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", sorted(MICRO_BATCH_MODES))
 def test_micro_batch_modes_refuse_a_contrastive_loss_naming_the_collective(mode, backend):
     state = jdp.TrainState.create(params=CONTRASTIVE_PARAMS, tx=optax.sgd(0.5))

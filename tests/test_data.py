@@ -9,8 +9,6 @@ import pytest
 import jdp
 from tests import models
 
-BACKENDS = ["pmap", "shard_map"]
-
 
 def dataset(size=100):
     return {"x": np.arange(size * 2, dtype=np.float32).reshape(size, 2), "id": np.arange(size)}
@@ -113,7 +111,6 @@ def test_bad_input(kwargs, error, message):
         jdp.BatchIterator(args.pop("data"), args.pop("batch_size"), **args)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefetch_yields_the_same_batches_in_order(backend):
     step = models.backend(backend, lambda s, b: (s, {}), 8)
     host = take(jdp.BatchIterator(dataset(), 16, seed=1), 5)
@@ -138,7 +135,6 @@ def _metric_fn(params, batch):
     }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_evaluation_counts_every_example_once(backend):
     r = np.random.RandomState(0)
     test = {"x": r.randn(357, 3).astype(np.float32), "y": r.randn(357).astype(np.float32)}

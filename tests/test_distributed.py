@@ -25,7 +25,6 @@ def launch(processes, devices, script, *args, timeout=240):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_two_processes_of_two_devices_equal_one_process_of_four(tmp_path, backend):
     results = {}
     for processes, devices in ((2, 2), (1, 4)):

@@ -61,12 +61,6 @@ def test_state_replicated_for_another_device_count():
         step(four, step.shard(batch()))
 
 
-def test_shard_map_state_with_a_device_axis():
-    step = jdp.shard_map(jdp.make_train_step(models.mlp_loss))
-    with pytest.raises(ValueError, match=r"global replicated arrays .* shape \(8,\)"):
-        step(jdp.replicate(state()), step.shard(batch()))
-
-
 def test_state_of_the_wrong_type():
     step = jdp.make_train_step(models.mlp_loss)
     with pytest.raises(TypeError, match="state must be a jdp.TrainState, got dict"):

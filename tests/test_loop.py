@@ -53,7 +53,6 @@ def run_fit(num_steps, checkpointer=None, epochs=None, backend="pmap"):
     )
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_fit_trains_logs_and_evaluates(backend):
     epochs = []
     state, history = run_fit(30, epochs=epochs, backend=backend)
@@ -85,7 +84,6 @@ def test_fit_resumes_from_the_latest_checkpoint_to_the_same_result(tmp_path):
     assert float(a.loss_scale.loss_scale) == float(b.loss_scale.loss_scale)
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_logged_loss_is_the_single_device_loss_on_real_examples(backend):
     """Padding: the logged global loss and throughput count real examples only."""
 

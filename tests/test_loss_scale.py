@@ -9,8 +9,6 @@ import pytest
 import jdp
 from tests import models
 
-BACKENDS = ["pmap", "shard_map"]
-
 
 def reference_rule(scale, counter, finite, period, factor, min_scale):
     """The documented rule, in plain Python."""
@@ -121,7 +119,6 @@ def _host(tree):
 
 
 @pytest.mark.parametrize("bad_value", [np.inf, np.nan])
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_overflow_in_one_replica_skips_everywhere_and_changes_nothing(backend, bad_value):
     tx = optax.adam(1e-2)
     state = jdp.TrainState.create(
@@ -156,7 +153,6 @@ def test_overflow_in_one_replica_skips_everywhere_and_changes_nothing(backend, b
     models.assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_static_scale_in_float32_equals_no_scaling(backend):
     data = [models.regression_batch(32, seed=20 + i) for i in range(5)]
     finals = []
@@ -214,7 +210,6 @@ def test_dynamic_scaling_recovers_float16_gradients():
     assert np.asarray(metrics["grads_finite"]).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_bfloat16_compute_keeps_float32_master_state(backend):
     seen = []
 

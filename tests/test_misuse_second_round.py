@@ -102,7 +102,6 @@ def test_sharding_a_batch_twice_is_an_error_naming_the_leaf():
     np.testing.assert_array_equal(jdp.unshard(np.asarray(once["x"])), BATCH["x"])
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 def test_jax_jit_around_a_step_composes(backend):
     step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8)
     fresh = lambda: step.replicate(  # noqa: E731

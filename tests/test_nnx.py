@@ -11,9 +11,6 @@ import jdp
 import jdp.nnx
 from tests import models
 
-BACKENDS = ["pmap", "shard_map"]
-
-
 Net = models.NnxNet  # Linear -> BatchNorm -> ReLU -> Dropout -> Linear
 
 
@@ -28,7 +25,6 @@ def make_loss(graphdef, train: bool):
     return loss_fn
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 8])
 def test_nnx_equals_single_device_nnx_training(n, backend):
     graphdef, params, model_state = jdp.nnx.split(Net(nnx.Rngs(0)))
@@ -64,7 +60,6 @@ def test_nnx_equals_single_device_nnx_training(n, backend):
     models.assert_trees_close(step.unreplicate(state).params, expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_batch_statistics_average_and_rng_state_stays_in_sync(backend):
     graphdef, params, model_state = jdp.nnx.split(Net(nnx.Rngs(0)))
     rest, rngs = model_state

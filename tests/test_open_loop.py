@@ -17,7 +17,6 @@ import jdp
 from tests import models
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BACKENDS = ["pmap", "shard_map"]
 
 
 class EMAState(jdp.TrainState):
@@ -37,7 +36,6 @@ def ema_step(decay=0.5):
     return step
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_subclassed_state_replicates_trains_checkpoints_and_fits(backend, tmp_path):
     state = EMAState.create(params=models.mlp_params(), tx=optax.sgd(0.1), ema=models.mlp_params())
     assert jax.tree.structure(state) != jax.tree.structure(
@@ -100,7 +98,6 @@ def test_fit_with_a_dict_state_and_a_custom_step():
     assert [row["step"] for row in history.train] == [2, 4]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_read_one_step_late_hold_each_logged_steps_own_metrics(backend):
     """fit reads a logged step's metrics after dispatching the next step; the rows
     still hold that step's loss (the loss before its update, by hand), in order,
@@ -247,7 +244,6 @@ def test_grad_norm_metric():
     np.testing.assert_allclose(metrics["grad_norm"], float(expected), rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_step_from_apply_gradients_equals_the_built_in_bit_for_bit(backend):
     def custom(state, batch):
         scaled = lambda p: state.loss_scale.scale(models.mlp_loss(p, batch))  # noqa: E731

@@ -14,7 +14,6 @@ import jdp
 from tests import models
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BACKENDS = ["pmap", "shard_map"]
 # hidden=13: leaves of 78, 13 and 39 elements, so slices are padded at n = 2, 4 and 8.
 PARAMS = models.mlp_params(hidden=13)
 DATA = [models.regression_batch(32, seed=500 + i) for i in range(50)]
@@ -56,7 +55,6 @@ def assert_close(actual, expected, rtol=1e-6):
         )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_fifty_steps_equal_the_replicated_step(name, backend):
     for n in (2, 4, 8):
@@ -132,7 +130,6 @@ def test_compiled_peak_per_device_for_a_ten_million_parameter_adam_step():
     assert peaks[True] <= 0.7 * peaks[False], peaks
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_skipped_step_leaves_the_sharded_state_bit_for_bit_unchanged(backend):
     step = models.backend(
         backend, jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), 4
@@ -160,7 +157,6 @@ def test_a_skipped_step_leaves_the_sharded_state_bit_for_bit_unchanged(backend):
     assert float(after.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_composes_with_model_state_rng_accumulation_and_weighted_losses(backend):
     variables = models.classifier_variables()
     data = [models.classification_batch(64, seed=600 + i) for i in range(8)]
@@ -313,7 +309,6 @@ def test_checkpoints_hold_the_whole_state_and_cross_layouts_and_device_counts(tm
         assert isinstance(restored.opt_state, jdp.ShardedOptState)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_two_processes_of_two_devices_equal_one_of_four(backend, tmp_path):
     out = {}
     for processes, devices in [(2, 2), (1, 4)]:
@@ -327,7 +322,6 @@ def test_two_processes_of_two_devices_equal_one_of_four(backend, tmp_path):
         np.testing.assert_allclose(out[2][name], out[1][name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_jdp_clip_with_leaves_too_small_to_split(backend):
     """A scalar temperature and a bias shorter than the device count stay whole on every
     replica: reducing over them is exact, so jdp's own clip is accepted and exact."""

@@ -9,7 +9,6 @@ import pytest
 import jdp
 from tests import models
 
-BACKENDS = ["pmap", "shard_map"]
 STEPS = 5
 GLOBAL_BATCH = 32
 
@@ -39,7 +38,6 @@ def _flax_with_bn_and_dropout_off():
 MODELS = {"mlp": _mlp, "flax": _flax_with_bn_and_dropout_off}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt", sorted(models.OPTIMIZERS))
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -68,7 +66,6 @@ def test_equals_single_device_training(model, n, opt, backend):
     np.testing.assert_allclose(metrics["loss"], np.stack(losses), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_sum_reduction_is_n_times_the_mean(backend):
     n = 8
     params = models.mlp_params()
@@ -91,7 +88,6 @@ def test_sum_reduction_is_n_times_the_mean(backend):
     models.assert_trees_close(delta["sum"], summed, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_accumulation_equals_one_big_step(backend):
     tx = optax.adam(1e-2)
     params = models.mlp_params()
@@ -122,7 +118,6 @@ def _per_replica_bn_reference(variables, batch, n, rng_per_replica):
     return jax.tree.map(lambda *s: sum(s) / n, *stats)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_model_state_is_averaged_and_rng_is_per_replica(backend):
     n = 8
     variables = models.classifier_variables()
@@ -141,7 +136,6 @@ def test_model_state_is_averaged_and_rng_is_per_replica(backend):
     models.assert_trees_close(final.model_state, expected, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_replica_keys_are_distinct_and_deterministic(backend):
     def loss_fn(params, batch, rng):
         return jnp.mean(batch * params), {"noise": jax.random.uniform(rng)}
@@ -163,7 +157,6 @@ def test_replica_keys_are_distinct_and_deterministic(backend):
     assert runs[0][2, 5] == np.float32(expected)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_aux_metrics_are_per_replica(backend):
     def loss_fn(params, batch):
         loss = jnp.mean((batch - params) ** 2)

@@ -73,7 +73,6 @@ def test_exact_has_no_options_that_break_it():
         jdp.strategies.exact(8, communication=jdp.strategies.cast_communication())
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 @pytest.mark.parametrize("name", ["data_parallel", "zero1", "exact"])
 def test_a_wrapper_keeps_the_step_settings_with_jdp_wraps(backend, name):
     strategy = {"exact": lambda: jdp.strategies.exact(8)}.get(name, getattr(jdp.strategies, name))()
@@ -143,7 +142,6 @@ def collective_bytes(stablehlo: str) -> int:
     return total
 
 
-@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
 @pytest.mark.parametrize("base", ["data_parallel", "zero1"])
 def test_bfloat16_communication_halves_the_bytes_and_keeps_the_update(backend, base):
     make = getattr(jdp.strategies, base)

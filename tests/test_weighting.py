@@ -15,7 +15,6 @@ import pytest
 import jdp
 from tests import models
 
-BACKENDS = ["pmap", "shard_map"]
 B, T, D, H, OUT = 32, 6, 5, 8, 3
 STEPS = 4
 
@@ -61,7 +60,6 @@ def run(step_fn, state, data, backend, n):
     return models.train_parallel(step_fn, state, data, backend, n)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_token_loss_equals_single_device_token_mean(n, accumulate, backend):
@@ -98,7 +96,6 @@ def test_example_weighting_is_not_token_weighting():
     assert abs(by_examples - float(global_token_mean(params, batch))) > 1e-3
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_weightless_replica_with_nan_contributes_nothing(backend):
     data = [token_batch(20 + i) for i in range(2)]
     poisoned = []
@@ -120,7 +117,6 @@ def test_weightless_replica_with_nan_contributes_nothing(backend):
         assert float(metrics["loss"][0]) == 0.0 and float(metrics["weight"][0]) == 0.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_replica_weightless_leaves_params_alone(backend):
     batch = {**token_batch(5), "mask": np.zeros((B, T), bool)}
     state = jdp.TrainState.create(params=token_params(), tx=optax.sgd(0.1))
@@ -129,7 +125,6 @@ def test_every_replica_weightless_leaves_params_alone(backend):
     assert np.all(np.asarray(metrics["loss"]) == 0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_sum_reduction_sums_per_replica_weighted_means(backend):
     batch = token_batch(7)
     params = token_params()
@@ -148,7 +143,6 @@ def test_sum_reduction_sums_per_replica_weighted_means(backend):
     models.assert_trees_close(delta, summed, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_per_example_mask_and_weighted_aux(accumulate, backend):
     def loss_fn(params, batch):
@@ -202,7 +196,6 @@ def bn_loss(axis_name):
     return loss_fn
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [2, 8])
 def test_sync_batch_norm_equals_single_device_batch_norm(n, backend):
     variables = BNNet().init(jax.random.key(0), jnp.zeros((1, 6)))
@@ -230,7 +223,6 @@ def test_sync_batch_norm_equals_single_device_batch_norm(n, backend):
     assert max(jax.tree.leaves(gaps)) > 1e-3
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_weightless_replicas_have_no_say_in_model_state(backend):
     def loss_fn(params, batch, model_state):
         mean = jnp.sum(batch["x"] * batch["real"][:, None], axis=0) / jnp.maximum(
@@ -250,7 +242,6 @@ def test_weightless_replicas_have_no_say_in_model_state(backend):
     np.testing.assert_allclose(final.model_state["mean"], padded["x"][:20].mean(axis=0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_bfloat16_compute_leaves_regression_targets_alone(backend):
     """Targets near 1000 in bfloat16 are multiples of 4; the default policy keeps them."""
     r = np.random.RandomState(0)

@@ -4,7 +4,8 @@ Pass one to :func:`jdp.make_train_step` as ``strategy=``; the step, the
 backends, checkpoints and the loop work the same with each.
 """
 
-from jdp.strategies._base import PSUM, Communication, Placement, Reduced, Strategy
+from jdp._layout import Placement
+from jdp.strategies._base import PSUM, Communication, Reduced, Strategy
 from jdp.strategies._cast import cast_communication
 from jdp.strategies._data_parallel import data_parallel
 from jdp.strategies._exact import exact

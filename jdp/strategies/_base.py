@@ -17,14 +17,18 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
 from jdp import _layout
 from jdp._forward import Forward
+from jdp._layout import Placement
+from jdp._loss_scale import NoOpLossScale
 from jdp._state import TrainState
 from jdp._tree import PyTree
 from jdp._update import apply_gradients
+from jdp.metrics import Rule
 
 
 class Reduced(NamedTuple):
@@ -37,25 +41,17 @@ class Reduced(NamedTuple):
     aux: dict[str, jax.Array]
 
 
-class Placement(NamedTuple):
-    """How a backend holds values on its devices, for a strategy's ``place``.
-
-    Attributes:
-      replicate: one host copy -> the backend's replicated layout.
-      rows: ``(n, ...)`` host rows -> a device array with row i held by the
-        device at index i of the data axis.
-      size: n, the devices of the data axis.
-    """
-
-    replicate: Callable[[PyTree], PyTree]
-    rows: Callable[[Any], jax.Array]
-    size: int
-
-
 GradientsFn = Callable[[Forward, TrainState, PyTree, str], Reduced]
 UpdateFn = Callable[[TrainState, PyTree, PyTree, str], tuple[TrainState, dict[str, jax.Array]]]
 NormFn = Callable[[PyTree, PyTree, str], jax.Array]
 PlaceFn = Callable[[TrainState, Placement], TrainState]
+ParamsFn = Callable[[TrainState, str], PyTree]
+
+
+def held_params(state: TrainState, axis_name: str) -> PyTree:
+    """``whole_params`` for strategies whose replicas hold the whole parameters."""
+    del axis_name
+    return state.params
 
 
 class Strategy(NamedTuple):
@@ -73,6 +69,11 @@ class Strategy(NamedTuple):
       compiler_options: XLA options the backend compiles the step with, as
         ``(name, value)`` pairs (exact mode needs the same optimization
         passes on every device count; ``docs/exact.md``).
+      whole_params: ``(state, axis_name) -> params``: the whole parameters
+        inside a step, for the evaluation forward (a strategy that splits
+        the parameters gathers them here).
+      metric_rules: ``(name, rule)`` pairs for the metrics this strategy
+        adds or computes differently (:mod:`jdp.metrics`).
     """
 
     name: str
@@ -81,6 +82,8 @@ class Strategy(NamedTuple):
     global_norm: NormFn
     place: PlaceFn
     compiler_options: tuple[tuple[str, str], ...] = ()
+    whole_params: ParamsFn = held_params
+    metric_rules: tuple[tuple[str, Rule], ...] = ()
 
 
 class Communication(NamedTuple):
@@ -94,6 +97,25 @@ class Communication(NamedTuple):
 
     all_reduce: Callable[[PyTree, str], PyTree]
     reduce_scatter: Callable[[list[jax.Array], str], list[jax.Array]]
+    dtype: Any = None  # the dtype floating gradients travel in (None: their own)
+
+
+def check_communication(communication: Communication, state: TrainState, name: str) -> None:
+    """Refuses float16 communication without a loss scale (at trace time).
+
+    float16 sums above 65504 become inf; a loss scale skips such a step and
+    lowers the scale, but without one the inf reaches the params (NaN).
+    """
+    if communication.dtype is None or jnp.dtype(communication.dtype) != jnp.float16:
+        return
+    if isinstance(state.loss_scale, NoOpLossScale):
+        raise ValueError(
+            f"jdp.strategies.{name}: float16 gradient communication without a loss scale: "
+            "gradient sums above 65504 become inf, and with no loss scale to skip that step "
+            "the params become NaN. Communicate in bfloat16 (float32's range: "
+            "cast_communication(jnp.bfloat16)), or train with "
+            "TrainState.create(..., loss_scale=jdp.DynamicLossScale(...))."
+        )
 
 
 def _psum_scatter(rows: list[jax.Array], axis_name: str) -> list[jax.Array]:

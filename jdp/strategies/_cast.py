@@ -25,7 +25,9 @@ def cast_communication(dtype: DTypeLike = jnp.bfloat16) -> Communication:
     floating, or already no wider than ``dtype``, travel as they are.
 
     Args:
-      dtype: a floating dtype, e.g. ``jnp.bfloat16`` or ``jnp.float16``.
+      dtype: a floating dtype, e.g. ``jnp.bfloat16``; ``jnp.float16`` only
+        with a loss scale (its sums overflow above 65504, and a loss scale
+        skips such steps; without one the step is refused).
 
     Example:
       >>> import jax.numpy as jnp, jdp
@@ -54,4 +56,4 @@ def cast_communication(dtype: DTypeLike = jnp.bfloat16) -> Communication:
             lax.psum_scatter(down(x), axis_name, scatter_dimension=0).astype(x.dtype) for x in rows
         ]
 
-    return Communication(all_reduce, reduce_scatter)
+    return Communication(all_reduce, reduce_scatter, narrow)

@@ -14,6 +14,7 @@ from jdp.strategies._base import (
     Communication,
     Reduced,
     Strategy,
+    check_communication,
     plain_norm,
     replicate_state,
     whole_state_update,
@@ -53,6 +54,11 @@ def reduce_gradients(
       >>> f(jnp.arange(8.0)).tolist()[0]
       3.5
     """
+    if grad_reduce not in GRAD_REDUCTIONS:
+        raise ValueError(
+            f"jdp.reduce_gradients: unknown grad_reduce={grad_reduce!r}; expected one of "
+            f"{GRAD_REDUCTIONS} ('mean': single-device semantics; 'sum': the sum over replicas)."
+        )
     if weight is None:
         summed = communication.all_reduce(grads, axis_name)
         if grad_reduce == "sum":
@@ -121,6 +127,7 @@ def data_parallel(
     check_reduce(reduce, accumulate_steps, "jdp.strategies.data_parallel")
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        check_communication(communication, state, "data_parallel")
         local = local_contribution(forward, state, batch, axis_name, accumulate_steps)
         grads = reduce_gradients(
             local.grads, axis_name, reduce, local.weight, communication=communication

@@ -36,15 +36,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from jdp import _tree
+from jdp import _layout, _tree
 from jdp._forward import Forward
-from jdp._replication import place_rows
+from jdp._layout import Placement
 from jdp._state import TrainState
 from jdp._tree import PyTree
 from jdp._update import apply_gradients
 from jdp._weighting import safe_divide
 from jdp.distributed import from_process0
-from jdp.strategies._base import PSUM, Communication, Placement, Reduced, Strategy
+from jdp.strategies._base import PSUM, Communication, Reduced, Strategy, check_communication
 from jdp.strategies._data_parallel import check_reduce, local_contribution, reduced
 from jdp.strategies._elementwise import check_elementwise
 
@@ -79,6 +79,7 @@ def zero1(
     check_reduce(reduce, accumulate_steps, "jdp.strategies.zero1")
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        check_communication(communication, state, "zero1")
         local = local_contribution(forward, state, batch, axis_name, accumulate_steps)
         grads = reduce_scatter_gradients(
             local.grads, axis_name, reduce, local.weight, communication
@@ -135,14 +136,7 @@ class ShardedOptState:
             for x, shape in zip(jax.tree.leaves(self.shards), self.logical_shapes, strict=True)
             if shape
         )
-        sharding = row.sharding
-        devices = list(sharding.mesh.devices.flat)
-        # The mesh is the whole data axis, or (pmap over several processes) this
-        # process's part of it, where a device's row is its global index.
-        row_of = devices.index if sharding.mesh.size == self.num_shards else jax.devices().index
-        placement = Placement(
-            replicate, partial(place_rows, sharding=sharding, row_of=row_of), self.num_shards
-        )
+        placement = Placement(replicate, _layout.rows_like(row, self.num_shards), self.num_shards)
         return _split(value, self.logical_shapes, placement)
 
 

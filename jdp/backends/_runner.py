@@ -1,0 +1,231 @@
+"""What every backend does around its compiled step: one lifecycle.
+
+A backend is a :class:`Backend` subclass that says how to compile the mapped
+step (``_compile``), which :mod:`jdp._layout` layout it holds a state in, how
+it places a state and a batch, and how to check its inputs at trace time.
+Everything else is here: turning a plain function into a step, the axis and
+donation checks, the option-less twin for an outer ``jax.jit``, the guard
+against donated buffers, jdp's own errors, and re-placing a state that
+arrives in the other backend's layout.
+"""
+
+import warnings
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, overload
+
+import jax
+
+from jdp import _layout, _watchdog
+from jdp._batching import leaves_with_paths
+from jdp._devices import warn_if_cpu_pool_unsafe
+from jdp._replication import CONSUMED, unreplicate
+from jdp._steps import EvalStep, PerReplicaStep, TrainStep, as_step
+from jdp._tree import PyTree
+from jdp.distributed import check_initialized
+
+K = TypeVar("K", TrainStep, EvalStep)  # the kind of step a backend runs
+T = TypeVar("T")  # the user's state type: a step returns the type it was given
+Step = TrainStep | EvalStep | Callable[[Any, PyTree], Any]
+Compiled = Callable[[PyTree, PyTree], Any]
+Metrics = dict[str, jax.Array]
+
+
+class Runner(Protocol):
+    """A step wrapped by a backend: what :func:`jdp.fit` and :func:`jdp.evaluate` use."""
+
+    step: PerReplicaStep
+
+    def __call__(self, state: Any, batch: PyTree) -> Any: ...
+
+    def replicate(self, tree: Any) -> Any: ...
+
+    def unreplicate(self, tree: Any) -> Any: ...
+
+    def shard(self, batch: PyTree) -> PyTree: ...
+
+
+class Backend(Generic[K]):
+    """The shared part of :class:`jdp.backends.PmapStep` and :class:`jdp.backends.ShardMapStep`.
+
+    Attributes:
+      step: the per-replica step it runs.
+      axis_name: the data axis it binds.
+      layout: how it holds a replicated state (:data:`jdp._layout.LEADING_AXIS`
+        or :data:`jdp._layout.MESH_REPLICATED`).
+    """
+
+    name: str = "backend"
+    layout: _layout.Layout
+
+    def _setup(self, step: Step, axis_name: str, donate_state: bool | None, size: int) -> None:
+        step = as_step(step, self.name, axis_name)
+        _check_axis_name(step, axis_name, self.name)
+        check_initialized()
+        self.step: K = step  # type: ignore[assignment]
+        self.axis_name = axis_name
+        self._donate = _donation(step, donate_state, self.name)
+        self._has_options = step.compiler_options is not None
+        # Reusing donated buffers crashes multi-device executions on XLA:CPU
+        # (JAX 0.10.2: segfault); one device raises, and _call explains it.
+        self._guard_donated = bool(self._donate) and size > 1
+        warn_if_cpu_pool_unsafe(size)
+
+    def _build(self) -> None:
+        self._fn = self._compile(True)
+        # Under an outer jit, which takes the options itself (a nested jit cannot).
+        self._fn_traced = self._compile(False) if self._has_options else self._fn
+
+    def _compile(self, options: bool) -> Compiled:
+        raise NotImplementedError
+
+    def _check_call(self, state: PyTree, batch: PyTree) -> None:
+        """Checks that must run on every call (none where the trace checks)."""
+
+    @overload
+    def __call__(self: "Backend[TrainStep]", state: T, batch: PyTree) -> tuple[T, Metrics]: ...
+
+    @overload
+    def __call__(self: "Backend[EvalStep]", state: Any, batch: PyTree) -> dict[str, Any]: ...
+
+    def __call__(self, state: Any, batch: PyTree) -> Any:
+        """Runs the step: ``(state, metrics)`` for a training step, sums for an evaluation step."""
+        self._check_call(state, batch)
+        fn = self._fn
+        if self._has_options and _traced(state):
+            _warn_options_lost(self.step)
+            fn = self._fn_traced
+        try:
+            return _call(fn, state, batch, self.axis_name, self.name, self._guard_donated)
+        except ValueError:
+            other = self._other_layout(state)
+            if other is None:
+                raise
+        # A state in the other backend's layout (jdp.replicate under shard_map,
+        # say) is re-placed once; the step returns it in this one's.
+        return self(other, batch)
+
+    def _other_layout(self, state: PyTree) -> PyTree | None:
+        """``state`` re-placed in this backend's layout, if it is held in another one."""
+        try:
+            layout = _layout.layout_of(state)
+        except (ValueError, TypeError):
+            return None
+        if layout is None or layout is self.layout or _consumed(state):
+            return None
+        return self.replicate(unreplicate(state))
+
+    def lower(self, state: PyTree, batch: PyTree) -> jax.stages.Lowered:
+        """Lowers the step for these arguments (``.compile()``, ``.as_text()``)."""
+        return self._fn.lower(state, batch)  # type: ignore[attr-defined]
+
+    def replicate(self, tree: T) -> T:
+        """``tree`` on this backend's devices; a TrainState as the step's strategy places it."""
+        return self.step.place(tree, self._placement())
+
+    def _placement(self) -> _layout.Placement:
+        raise NotImplementedError
+
+    def unreplicate(self, tree: T) -> T:
+        """Replica 0's values; a strategy's split state whole (see :func:`jdp.unreplicate`)."""
+        return unreplicate(tree)
+
+
+def _donation(step: PerReplicaStep, donate_state: bool | None, backend: str) -> tuple[int, ...]:
+    """``donate_argnums``: the state, for steps that return a new one."""
+    returns_state = step.returns_state
+    if donate_state is None:
+        donate_state = returns_state
+    if not isinstance(donate_state, bool):
+        raise TypeError(
+            f"jdp.{backend}: donate_state must be True, False or None, got {donate_state!r}."
+        )
+    if donate_state and not returns_state:
+        raise ValueError(
+            f"jdp.{backend}(donate_state=True) on an evaluation step: it returns no state, "
+            "so donating would delete the caller's state. Leave donate_state unset."
+        )
+    return (0,) if donate_state else ()
+
+
+def _check_axis_name(step: PerReplicaStep, axis_name: str, backend: str) -> None:
+    if step.axis_name != axis_name:
+        raise ValueError(
+            f"The step was built with axis_name={step.axis_name!r} but jdp.{backend} "
+            f"binds axis_name={axis_name!r}; pass the same name to both."
+        )
+
+
+def _traced(state: PyTree) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(state))
+
+
+def _warn_options_lost(step: PerReplicaStep) -> None:
+    """An outer transform (jax.jit) compiles the step: the strategy's options are that jit's to pass."""
+    name = step.strategy.name if isinstance(step, TrainStep) else type(step).__name__
+    warnings.warn(
+        f"This jdp step's strategy ({name}) needs XLA options that jdp passes "
+        "when it compiles the step, but an outer transform (jax.jit) is compiling it here; "
+        "without them the result may differ by device count. Pass them to your jit (then "
+        f"this warning is all that is left): jax.jit(f, compiler_options={step.compiler_options!r}).",
+        stacklevel=4,
+    )
+
+
+def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard: bool):
+    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error.
+
+    Everything here but the call itself runs only when the call failed.
+    """
+    _watchdog.note_step()
+    if guard and _consumed(state):
+        raise RuntimeError(_CONSUMED)
+    try:
+        return fn(state, batch)
+    except (ValueError, TypeError, IndexError) as e:
+        if _mapped_by_a_transform(e, state, batch):
+            raise TypeError(
+                f"A jdp.{backend} step was called under jax.vmap or jax.pmap (or another "
+                "transform that maps over the inputs): it is mapped over the devices already. "
+                "Call it directly; to map the step yourself, map the per-replica step "
+                "(jax.pmap(jdp.make_train_step(...), axis_name=...)); to add work inside the "
+                "step, wrap it with @jdp.wraps(train_step)."
+            ) from e
+        if isinstance(e, ValueError) and "deleted or donated" in str(e) and _consumed(state):
+            raise RuntimeError(_CONSUMED) from None
+        if isinstance(e, TypeError) and "Error interpreting argument" in str(e):
+            leaves_with_paths(batch, "batch")  # jdp's own message, naming the leaf
+            leaves_with_paths(state, "state")
+        raise
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise
+        raise NameError(
+            f"The step uses a collective over an axis jdp.{backend} does not bind: {e}. "
+            f"This backend binds axis_name={axis_name!r}; use that name in lax.psum/pmean "
+            "calls inside the step (and in make_train_step(axis_name=...))."
+        ) from None
+
+
+def _mapped_by_a_transform(error: Exception, *trees: PyTree) -> bool:
+    """Inputs traced by a transform that maps them (vmap, pmap): they lost their leading axis.
+
+    ``jax.jit`` around a step composes (its tracers keep their shapes); under
+    ``jax.pmap`` the tracers look like jit's, so the layout error they cause tells.
+    """
+    tracers = [x for x in jax.tree.leaves(trees) if isinstance(x, jax.core.Tracer)]
+    if any(type(x).__name__ == "BatchTracer" for x in tracers):
+        return True
+    layout = isinstance(error, IndexError) or any(
+        phrase in str(error) for phrase in ("is not replicated", "expects a leading device axis")
+    )
+    return bool(tracers) and layout
+
+
+_CONSUMED = "This state was consumed by an earlier step call: " + CONSUMED
+
+
+def _consumed(state: PyTree) -> bool:
+    return any(
+        isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted()
+        for x in jax.tree.leaves(state)
+    )

@@ -1,0 +1,192 @@
+"""The shard_map backend: replicated global state, a globally sharded batch."""
+
+from collections.abc import Callable
+from typing import Any, overload
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jdp import _layout, _tree
+from jdp._batching import AXIS_NAME, DEVICE_AXIS, divisible_batch_size, refuse_placed
+from jdp._replication import placement
+from jdp._steps import EvalStep, TrainStep
+from jdp._tree import PyTree
+from jdp.backends._checks import check_global_batch, check_state
+from jdp.backends._runner import Backend, Compiled, K, Step
+
+
+class ShardMapStep(Backend[K]):
+    """A step run by ``jax.jit(jax.shard_map(...))`` over a 1-D device mesh.
+
+    State is held once, as global arrays replicated across the mesh (no
+    leading device axis); the batch is a global ``(B, ...)`` array sharded
+    along its leading axis. Per-replica metrics keep a leading axis of size n,
+    as under pmap. Built by :func:`jdp.shard_map`. A state placed by
+    :func:`jdp.replicate` (the pmap layout) is re-placed on its first call,
+    and a batch from :func:`jdp.shard` is merged back into the global batch
+    inside the step (no copy).
+    """
+
+    name = "shard_map"
+    layout = _layout.MESH_REPLICATED
+
+    def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool | None):
+        if mesh is None:
+            mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"jdp.shard_map: mesh must be a jax.sharding.Mesh, got {mesh!r}.")
+        if mesh.axis_names != (axis_name,):
+            raise ValueError(
+                f"jdp.shard_map needs a 1-D mesh with the axis {axis_name!r}, got "
+                f"axes {mesh.axis_names}; e.g. jax.make_mesh((n,), ({axis_name!r},))."
+            )
+        self.mesh = mesh
+        self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
+        self._setup(step, axis_name, donate_state, mesh.size)
+        self._build()
+
+    def _compile(self, options: bool) -> Compiled:
+        return jax.jit(
+            self._run,
+            donate_argnums=self._donate,
+            compiler_options=self.step.compiler_options if options else None,
+        )
+
+    def _run(self, state: PyTree, batch: PyTree) -> PyTree:
+        """Traced once per input structure: the checks, then the mapped step."""
+        n = self.mesh.size
+        check_state(state, n, self.layout)
+        if DEVICE_AXIS not in self.mesh.axis_names:
+            batch = _from_pmap_layout(batch)
+        # Only a host batch can be a pmap-layout batch reshaped by hand.
+        check_global_batch(batch, n, warn=not all(_mesh_names(x) for x in jax.tree.leaves(batch)))
+        step, axis_name = self.step, self.axis_name
+        # Leaves a strategy placed per replica (a split optimizer state) are
+        # split along the data axis and arrive as this device's (1, ...) row.
+        rows = _layout.per_replica_leaves(state)
+        treedef = _tree.structure(state)
+        state_spec = treedef.unflatten(
+            [PartitionSpec(axis_name) if r else PartitionSpec() for r in rows]
+        )
+
+        def per_replica(state, batch):
+            local = treedef.flatten_up_to(state)
+            state = treedef.unflatten([x[0] if r else x for x, r in zip(local, rows, strict=True)])
+            out = step(state, batch)
+            if not step.returns_state:  # evaluation: per-replica outputs only
+                return jax.tree.map(lambda m: m[None], out)
+            state, metrics = out
+            local = treedef.flatten_up_to(state)
+            state = treedef.unflatten(
+                [x[None] if r else x for x, r in zip(local, rows, strict=True)]
+            )
+            return state, jax.tree.map(lambda m: m[None], metrics)
+
+        # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
+        # the only gradient reduction (see docs/backends.md).
+        per_replica_spec = PartitionSpec(axis_name)
+        mapped = jax.shard_map(
+            per_replica,
+            mesh=self.mesh,
+            in_specs=(state_spec, PartitionSpec(axis_name)),
+            out_specs=(state_spec, per_replica_spec) if step.returns_state else per_replica_spec,
+            check_vma=False,
+        )
+        return mapped(state, batch)
+
+    def _placement(self) -> _layout.Placement:
+        devices = list(self.mesh.devices.flat)
+        return placement(self.layout, self.mesh, self._sharded, devices.index)
+
+    def shard(self, batch: PyTree) -> PyTree:
+        """A global ``(B, ...)`` batch, sharded along its leading axis.
+
+        ``batch`` is this process's part (the whole batch in a single
+        process); the parts of all processes, in process order, form the
+        global batch.
+        """
+        refuse_placed(batch, "ShardMapStep.shard", allowed=self._sharded)
+        divisible_batch_size(batch, len(self._sharded.addressable_devices))
+        if jax.process_count() == 1:  # the whole global batch is here: one device_put per leaf
+            return jax.tree.map(lambda x: jax.device_put(x, self._sharded), batch)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._sharded, np.asarray(x)), batch
+        )
+
+
+def _from_pmap_layout(batch: PyTree) -> PyTree:
+    """A pmap-layout batch (``jdp.shard``'s ``(n, B // n, ...)``) as the global batch.
+
+    Told apart from a global batch of n examples by its mesh (the device-axis
+    mesh of the pmap layout), inside the jit: merging the leading two axes of
+    an array split along the first moves no data.
+    """
+
+    def one(x):
+        if _mesh_names(x) != (DEVICE_AXIS,) or x.ndim < 2:
+            return x
+        return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
+
+    return jax.tree.map(one, batch)
+
+
+def _mesh_names(x) -> tuple:
+    """The axis names of the mesh a traced input was placed on (() for a host array)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return tuple(getattr(mesh, "axis_names", ()))
+
+
+@overload
+def shard_map(  # type: ignore[overload-overlap]  # an EvalStep is callable too
+    step: EvalStep,
+    *,
+    mesh: Mesh | None = ...,
+    axis_name: str = ...,
+    donate_state: bool | None = ...,
+) -> ShardMapStep[EvalStep]: ...
+
+
+@overload
+def shard_map(
+    step: TrainStep | Callable[[Any, PyTree], Any],
+    *,
+    mesh: Mesh | None = ...,
+    axis_name: str = ...,
+    donate_state: bool | None = ...,
+) -> ShardMapStep[TrainStep]: ...
+
+
+def shard_map(
+    step: Step,
+    *,
+    mesh: Mesh | None = None,
+    axis_name: str = AXIS_NAME,
+    donate_state: bool | None = None,
+) -> ShardMapStep[Any]:
+    """Runs a per-replica step with ``jax.jit(jax.shard_map(...))`` on a 1-D mesh.
+
+    The lead backend, in the layout JAX recommends: replicated global state,
+    a globally sharded batch. :func:`jdp.pmap` runs the same step in the
+    layout of ``jax.pmap``.
+
+    Args:
+      step: ``(state, batch) -> (state, metrics)``, e.g. from
+        :func:`jdp.make_train_step`.
+      mesh: a 1-D mesh with the axis ``axis_name`` (default: every device).
+      axis_name: the data axis; must match the step's.
+      donate_state: donate the input state's buffers to the output (default:
+        True for training steps, False for evaluation steps).
+
+    Returns:
+      A :class:`ShardMapStep`.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jdp
+      >>> step = jdp.shard_map(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
+      >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
+      >>> state, metrics = step(state, step.shard(np.ones(16, np.float32)))
+      >>> round(float(step.unreplicate(state).params), 4), metrics["loss"].shape
+      (0.8, (8,))
+    """
+    return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)

@@ -1,0 +1,111 @@
+"""A fingerprint of the training state, computed on device, the same for every layout.
+
+Each leaf's raw bits, as 32-bit words, are multiplied by odd constants that
+depend on the word's position in the logical leaf and on the leaf's place in
+the tree, and summed modulo 2**32, in two lanes with different constants.
+Integer addition is exact and order-free, so the fingerprint is the same for
+any reduction order, device count, backend or strategy: a leaf a strategy
+splits over replicas (zero1's optimizer slices) is hashed where it lives, at
+its global word positions, and summed over the data axis; its zero padding
+adds nothing. A single flipped bit changes both lanes (an odd multiplier
+times a power of two is never 0 modulo 2**32).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jdp import _layout
+from jdp._tree import PyTree, is_prng_key
+from jdp.metrics._base import Metric, StepView, exact_int
+
+# Python ints: a jnp value at import would start JAX's backend (before distributed.initialize).
+_LANES = (0x9E3779B1, 0x85EBCA77)
+_SALTS = (0xC2B2AE3D, 0x27D4EB2F)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The raw bits of ``x`` as flat uint32 words (narrow dtypes widened, wide ones split)."""
+    if is_prng_key(x):
+        x = jax.random.key_data(x)
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    size = x.dtype.itemsize
+    if size == 4:
+        return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)
+    if size < 4:
+        unsigned = jnp.dtype(f"uint{8 * size}")
+        return lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+    return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)  # 8 bytes: two words each
+
+
+def _leaf_hash(words: jax.Array, offset: jax.Array, leaf: int) -> jax.Array:
+    positions = offset + jnp.arange(words.size, dtype=jnp.uint32)
+    lanes = []
+    for lane, salt in zip(_LANES, _SALTS, strict=True):
+        leaf_salt = jnp.uint32((salt * (leaf + 1)) % 2**32)
+        multiplier = (positions * jnp.uint32(lane) + leaf_salt) | jnp.uint32(1)
+        lanes.append(jnp.sum(words * multiplier, dtype=jnp.uint32))
+    return jnp.stack(lanes)
+
+
+def state_fingerprint(state: PyTree, axis_name: str) -> tuple[jax.Array, jax.Array]:
+    """``(fingerprint, shared)`` of a state inside a step: two uint32 words each.
+
+    ``fingerprint`` covers the logical state (every replica gets the same
+    value when they agree); ``shared`` covers only the leaves every replica
+    holds whole, this replica's own copy, for comparing replicas.
+    """
+    leaves = jax.tree.leaves(state)
+    split = _layout.per_replica_leaves(state)
+    index = lax.axis_index(axis_name).astype(jnp.uint32)
+    shared = jnp.zeros(2, jnp.uint32)
+    parts = jnp.zeros(2, jnp.uint32)
+    for i, (x, per_replica) in enumerate(zip(leaves, split, strict=True)):
+        words = _words(x)
+        if per_replica:  # this replica's slice, at its global positions
+            parts = parts + _leaf_hash(words, index * jnp.uint32(words.size), i)
+        else:
+            shared = shared + _leaf_hash(words, jnp.uint32(0), i)
+    return shared + lax.psum(parts, axis_name), shared
+
+
+def fingerprint() -> Metric:
+    """``fingerprint``: the new state's fingerprint, two uint32 words (logged as two ints).
+
+    The same numbers on every device count and backend wherever the state is
+    bitwise the same (exact mode), so two runs compare step by step.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jdp
+      >>> def run(n):
+      ...     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
+      ...     step = jdp.shard_map(jdp.make_train_step(
+      ...         lambda p, b: jnp.mean((b * p) ** 2), strategy=jdp.strategies.exact(8),
+      ...         metrics=[jdp.metrics.fingerprint()]), mesh=mesh)
+      ...     state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
+      ...     _, metrics = step(state, step.shard(np.arange(16, dtype=np.float32)))
+      ...     return metrics["fingerprint"][0].tolist()
+      >>> run(1) == run(8)
+      True
+    """
+    return Metric(
+        "fingerprint", lambda view: state_fingerprint(view.after, view.axis_name)[0], exact_int
+    )
+
+
+def replicas_agree() -> Metric:
+    """``replicas_agree``: 1 when every replica holds bitwise the same state after the step, else 0.
+
+    Compares the fingerprints of the leaves every replica holds whole (two
+    scalar collectives); a strategy's per-replica slices differ by design
+    and are left out.
+    """
+
+    def compute(view: StepView) -> jax.Array:
+        _, shared = state_fingerprint(view.after, view.axis_name)
+        same_everywhere = lax.pmax(shared, view.axis_name) == lax.pmin(shared, view.axis_name)
+        return jnp.all(same_everywhere).astype(jnp.int32)
+
+    return Metric("replicas_agree", compute, exact_int)

@@ -1,0 +1,156 @@
+"""Bad arguments get an error naming the argument and the fix; stale views of a folder are refreshed.
+
+One rule throughout: TypeError for the wrong kind, ValueError for the wrong value.
+"""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from jdp.testing import check_exact
+from tests import models
+
+DATA = models.regression_batch(64, seed=11)
+
+
+def train_step():
+    return jdp.shard_map(jdp.make_train_step(models.mlp_loss))
+
+
+def initial_state():
+    return jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1))
+
+
+def fit(**kwargs):
+    step = train_step()
+    return jdp.fit(
+        step,
+        step.replicate(initial_state()),
+        jdp.BatchIterator(DATA, 16, seed=0),
+        num_steps=kwargs.pop("num_steps", 2),
+        progress=False,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"log_every": 0}, ValueError, r"fit: log_every must be an int >= 1, got 0"),
+        ({"log_every": -1}, ValueError, r"fit: log_every must be an int >= 1, got -1"),
+        ({"log_every": 2.5}, TypeError, r"fit: log_every must be an int >= 1, got 2.5 \(float\)"),
+        ({"eval_every": -1}, ValueError, r"fit: eval_every must be an int >= 1, got -1"),
+        ({"num_steps": True}, TypeError, r"fit: num_steps must be an int >= 0, got True"),
+        ({"num_steps": -3}, ValueError, r"fit: num_steps must be an int >= 0, got -3"),
+    ],
+)
+def test_fit_refuses_bad_counts(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        fit(**kwargs)
+
+
+def test_fit_refuses_checkpoint_every_zero(tmp_path):
+    with (
+        jdp.Checkpointer(tmp_path) as ckpt,
+        pytest.raises(ValueError, match="checkpoint_every must be an int >= 1, got 0"),
+    ):
+        fit(checkpointer=ckpt, checkpoint_every=0)
+
+
+@pytest.mark.parametrize("reduce", ["Sum", "avg", None])
+def test_reduce_gradients_refuses_an_unknown_reduction(reduce):
+    f = jax.pmap(lambda g: jdp.reduce_gradients(g, "batch", reduce), axis_name="batch")
+    with pytest.raises(ValueError, match=f"unknown grad_reduce={reduce!r}; expected one of"):
+        f(jnp.arange(8.0))
+
+
+def exact_step():
+    return jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(8))
+
+
+def test_check_exact_refuses_what_it_cannot_check():
+    state = initial_state()
+    with pytest.raises(ValueError, match=r"device_counts=\(1, 16\) but 8 devices are here"):
+        check_exact(exact_step, state, [DATA], device_counts=(1, 16))
+    with pytest.raises(ValueError, match="batches is empty"):
+        check_exact(exact_step, state, [])
+    with pytest.raises(ValueError, match="not in exact mode .its strategy is data_parallel"):
+        check_exact(lambda: jdp.make_train_step(models.mlp_loss), state, [DATA])
+    with pytest.raises(TypeError, match="backend must be jdp.shard_map or jdp.pmap"):
+        check_exact(exact_step, state, [DATA], backend="pmap")
+
+
+def test_check_exact_names_a_replica_that_drifts_the_step_it_does():
+    """A wrapper that makes replicas disagree is caught after its first step, replica named."""
+    base = exact_step()
+
+    @jdp.wraps(base)
+    def drifting(state, batch):
+        state, metrics = base(state, batch)
+        drift = jax.lax.axis_index("batch").astype(jnp.int32)
+        return state.replace(skipped_steps=state.skipped_steps + drift), metrics
+
+    with pytest.raises(
+        AssertionError,
+        match=r"broke on 2 devices after step 1: .*\.skipped_steps: replica 1 differs",
+    ):
+        check_exact(lambda: drifting, initial_state(), [DATA, DATA], device_counts=(1, 2))
+
+
+def test_a_second_checkpointer_on_the_folder_sees_new_saves(tmp_path):
+    step = train_step()
+    state = step.replicate(initial_state())
+    with jdp.Checkpointer(tmp_path) as writer, jdp.Checkpointer(tmp_path) as reader:
+        writer.save(1, state)
+        assert reader.latest_step() == 1
+        state, _ = step(state, step.shard(DATA))
+        writer.save(2, state)
+        assert reader.latest_step() == 2
+        assert reader.all_steps() == [1, 2]
+        restored, _ = reader.restore(step.replicate(initial_state()))
+        np.testing.assert_array_equal(int(step.unreplicate(restored).step), 1)
+        for a, b in zip(
+            jax.tree.leaves(step.unreplicate(restored).params),
+            jax.tree.leaves(step.unreplicate(state).params),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_of_another_format_is_refused(tmp_path):
+    with jdp.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, initial_state())
+    metas = [p for p in pathlib.Path(tmp_path, "1").rglob("*") if p.is_file() and "meta" in str(p)]
+    edited = 0
+    for path in metas:
+        try:
+            meta = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(meta, dict) and "format" in meta:
+            path.write_text(json.dumps({**meta, "format": 99}))
+            edited += 1
+    assert edited == 1
+    with (
+        jdp.Checkpointer(tmp_path) as ckpt,
+        pytest.raises(ValueError, match="has format 99, but this jdp reads format 1"),
+    ):
+        ckpt.restore(initial_state())
+
+
+def test_make_eval_step_refuses_a_strategy_of_the_wrong_kind():
+    with pytest.raises(TypeError, match="make_eval_step: strategy must be a jdp.strategies value"):
+        jdp.make_eval_step(lambda p, b: {}, strategy="zero1")
+
+
+def test_a_removed_keyword_is_a_type_error_and_a_deprecated_one_names_its_removal():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'log_grad_norms'"):
+        jdp.make_train_step(models.mlp_loss, log_grad_norms=True)
+    with pytest.warns(DeprecationWarning, match=r"deprecated in 0.1.0 and removed in 0.2.0"):
+        jdp.make_train_step(models.mlp_loss, grad_reduce="sum")
