@@ -3,7 +3,7 @@
 For each launcher found here (jdp.launch; Open MPI's mpirun; SLURM's srun when
 a controller answers; SLURM's variables without srun; the variables a Kubernetes
 Indexed Job or JobSet exports), a 2 processes x 2 CPU
-devices job (tests/multiprocess_failfast.py):
+devices job (tests/scripts/multiprocess_failfast.py):
 
   2x2 vs 1x4   largest parameter difference from one process of 4 devices
   raise        process 1 raises while loading step 3's batch: seconds from the

@@ -1,6 +1,6 @@
 """Kill anywhere, resume anywhere: the acceptance run of issue #23.
 
-TRIALS exact-mode jobs (tests/preempt_run.py, 30 steps, checkpoints every 5),
+TRIALS exact-mode jobs (tests/scripts/preempt_run.py, 30 steps, checkpoints every 5),
 each killed KILLS times at random (half: a worker SIGKILLed after a random
 step; half: the launcher SIGKILLed from outside at a random instant) and
 relaunched on a random layout among 1x4, 2x2 and 4x1 processes x devices,

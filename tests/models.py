@@ -163,7 +163,7 @@ def launch(script, processes, devices, *args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["PYTHONPATH"] = str(root)
     cmd = [sys.executable, "-m", "jdp.launch", "--processes", str(processes)]
-    cmd += ["--devices-per-process", str(devices), str(root / "tests" / script)]
+    cmd += ["--devices-per-process", str(devices), str(root / "tests" / "scripts" / script)]
     run = subprocess.run(
         cmd + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout
     )

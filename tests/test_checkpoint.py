@@ -262,7 +262,12 @@ def test_checkpoints_contain_no_pickles(tmp_path):
 def _run(directory, steps, resume=False, kill_after=None):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = [sys.executable, str(ROOT / "tests" / "resume_run.py"), str(directory), str(steps)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tests" / "scripts" / "resume_run.py"),
+        str(directory),
+        str(steps),
+    ]
     if resume:
         cmd.append("--resume")
     code, lines, errors = models.run_killable(cmd, env, kill_after)

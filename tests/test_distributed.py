@@ -21,7 +21,12 @@ def launch(processes, devices, script, *args, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "jdp.launch", "--processes", str(processes)]
-    cmd += ["--devices-per-process", str(devices), str(ROOT / "tests" / script), *map(str, args)]
+    cmd += [
+        "--devices-per-process",
+        str(devices),
+        str(ROOT / "tests" / "scripts" / script),
+        *map(str, args),
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

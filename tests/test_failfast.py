@@ -1,4 +1,4 @@
-"""Fail fast under every launcher (issue #22): jdp.launch, Open MPI's mpirun (when
+"""Fail fast under every launcher: jdp.launch, Open MPI's mpirun (when
 installed; .ci/run installs it), SLURM (its variables, as srun sets them), and no launcher
 at all. Each job is 2 processes x 2 CPU devices."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPT = str(ROOT / "tests" / "multiprocess_failfast.py")
+SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_failfast.py")
 MPIRUN = pytest.param(
     "mpirun", marks=pytest.mark.skipif(not shutil.which("mpirun"), reason="no mpirun")
 )

@@ -143,7 +143,7 @@ def _kill_resume(tmp_path, kind):
     def run(directory, kill_after=None):
         cmd = [
             sys.executable,
-            str(ROOT / "tests" / "fit_resume_run.py"),
+            str(ROOT / "tests" / "scripts" / "fit_resume_run.py"),
             str(directory),
             "23",
             kind,

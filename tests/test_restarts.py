@@ -1,4 +1,4 @@
-"""Kill anywhere, resume anywhere (issue #23): jdp.launch --max-restarts, and preemption
+"""Kill anywhere, resume anywhere: jdp.launch --max-restarts, and preemption
 (SIGTERM) saving a checkpoint that a restart resumes bitwise in exact mode."""
 
 import contextlib
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SCRIPT = str(ROOT / "tests" / "preempt_run.py")
+SCRIPT = str(ROOT / "tests" / "scripts" / "preempt_run.py")
 STEPS = 30
 
 

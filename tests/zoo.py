@@ -3,7 +3,7 @@
 Each family is a function returning ``(make_step, state, batches)`` for
 :func:`jdp.testing.check_exact`: a few steps of a small model on fixed data.
 tests/test_zoo.py runs every family on 1, 2, 4 and 8 devices under both
-backends; tests/multiprocess_zoo.py runs them on 2 processes x 2 devices.
+backends; tests/scripts/multiprocess_zoo.py runs them on 2 processes x 2 devices.
 """
 
 from collections.abc import Callable

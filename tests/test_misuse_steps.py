@@ -1,4 +1,4 @@
-"""Misuse, second round (issue #21): each case answered with an error that names the
+"""Misuse of steps, batches and wrappers: each case answered with an error that names the
 problem and the fix, or made to do the right thing."""
 
 import jax

@@ -1,4 +1,4 @@
-"""strategies.zero1() across processes, for tests/test_optimizer_sharding.py.
+"""strategies.zero1() across processes, for tests/test_zero1.py.
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT
 
@@ -19,13 +19,13 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jdp  # noqa: E402
-from tests import models, test_optimizer_sharding  # noqa: E402
+from tests import models, test_zero1  # noqa: E402
 
 
 def main(out, backend, directory):
     wrap = jdp.pmap if backend == "pmap" else jdp.shard_map
     step = wrap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()))
-    fresh = jdp.TrainState.create(params=test_optimizer_sharding.PARAMS, tx=optax.adam(1e-2))
+    fresh = jdp.TrainState.create(params=test_zero1.PARAMS, tx=optax.adam(1e-2))
     state = step.replicate(fresh)
     data = jdp.BatchIterator(models.regression_batch(512, seed=7), 64, seed=0)
     for _ in range(10):
