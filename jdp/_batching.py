@@ -6,6 +6,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jdp._args import check_int
 from jdp._tree import PyTree
 
 AXIS_NAME = "batch"
@@ -170,8 +171,7 @@ def pad_batch(tree: PyTree, multiple: int) -> tuple[PyTree, np.ndarray]:
       >>> padded["x"].shape, mask.tolist()
       ((8, 2), [True, True, True, True, True, False, False, False])
     """
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-        raise ValueError(f"pad_batch: multiple must be an int >= 1, got {multiple!r}.")
+    check_int(multiple, "multiple", minimum=1, where="pad_batch")
     size = batch_size(tree)
     padded = -(-size // multiple) * multiple
     mask = np.arange(padded) < size

@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jdp import _layout, distributed
+from jdp._args import check_int
 from jdp._replication import place_like, refuse_consumed, replicate, unreplicate
 from jdp._state import TrainState
 from jdp._tree import PyTree, is_prng_key
@@ -108,11 +109,7 @@ class Checkpointer:
           ValueError: ``step`` is negative, a checkpoint ``step`` already exists, or a
             newer one does.
         """
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise TypeError(f"Checkpointer.save: step must be an int, got {step!r}.")
-        step = int(step)
-        if step < 0:
-            raise ValueError(f"Checkpointer.save: step must be >= 0, got {step}.")
+        step = check_int(step, "step", minimum=0, where="Checkpointer.save")
         refuse_consumed(state, "Checkpointer.save")
         meta = {"format": FORMAT_VERSION, "static": _static_fields(state), "extra": extra}
         try:

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp._args import check_int
 from jdp._batching import batch_size as leading_size
 from jdp._batching import shard
 from jdp._tree import PyTree
@@ -180,10 +181,7 @@ def _check_batching(
     data: PyTree, size: int, batch_size: object, remainder: str, repeat: bool, mask_key: str
 ) -> None:
     """BatchIterator's options, checked against the data (the process split aside)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-        raise TypeError(f"BatchIterator: batch_size must be an int, got {batch_size!r}.")
-    if batch_size < 1:
-        raise ValueError(f"BatchIterator: batch_size must be >= 1, got {batch_size}.")
+    batch_size = check_int(batch_size, "batch_size", minimum=1, where="BatchIterator")
     if remainder not in REMAINDERS:
         raise ValueError(
             f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
@@ -253,8 +251,7 @@ def prefetch_to_device(
       >>> [float(b["x"][0, 0, 0]) for b in jdp.prefetch_to_device(batches)]
       [0.0, 1.0, 2.0]
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"prefetch_to_device: size must be an int >= 1, got {size!r}.")
+    check_int(size, "size", minimum=1, where="prefetch_to_device")
     iterator = iter(iterator)
     queue: collections.deque = collections.deque()
 

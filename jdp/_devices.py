@@ -15,6 +15,8 @@ import warnings
 
 import jax
 
+from jdp._args import check_int
+
 THREADS_PER_DEVICE = 2
 
 
@@ -43,10 +45,7 @@ def force_cpu_devices(n: int) -> None:
       >>> jax.device_count()
       8
     """
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"force_cpu_devices(n): n must be an int, got {n!r}.")
-    if n < 1:
-        raise ValueError(f"force_cpu_devices(n): n must be >= 1, got {n}.")
+    check_int(n, "n", minimum=1, where="force_cpu_devices(n)")
     threads = max(THREADS_PER_DEVICE * n, _env_threads())
     try:
         jax.config.update("jax_num_cpu_devices", n)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdp import _tree as pytree
+from jdp._args import check_int
 from jdp._tree import PyTree
 
 
@@ -160,8 +161,7 @@ class DynamicLossScale:
     def __post_init__(self):
         _check_scale("DynamicLossScale.loss_scale", self.loss_scale)
         _check_scale("DynamicLossScale.min_loss_scale", self.min_loss_scale)
-        if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
-            raise ValueError(f"DynamicLossScale.period must be an int >= 1, got {self.period!r}.")
+        check_int(self.period, "period", minimum=1, where="DynamicLossScale")
         if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
             raise TypeError(f"DynamicLossScale.factor must be a number, got {self.factor!r}.")
         if not (math.isfinite(self.factor) and self.factor > 1):

@@ -11,6 +11,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
 from jdp import _layout
+from jdp._args import check_int
 from jdp._batching import AXIS_NAME, leaves_with_paths, local_mesh
 from jdp._tree import PyTree, is_prng_key
 from jdp.distributed import from_process0
@@ -216,8 +217,7 @@ def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTr
       >>> f(jnp.arange(8.0)).tolist()
       [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
     """
-    if isinstance(source, bool) or not isinstance(source, int) or source < 0:
-        raise ValueError(f"broadcast: source must be a replica index >= 0, got {source!r}.")
+    check_int(source, "source (a replica index)", minimum=0, where="broadcast")
     n = lax.axis_size(axis_name)
     if source >= n:
         raise ValueError(

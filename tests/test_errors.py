@@ -76,7 +76,7 @@ def test_accumulate_steps_must_divide_the_replica_batch():
 
 @pytest.mark.parametrize("bad", [0, -2])
 def test_accumulate_steps_must_be_positive(bad):
-    with pytest.raises(ValueError, match=f"accumulate_steps must be >= 1, got {bad}"):
+    with pytest.raises(ValueError, match=f"accumulate_steps must be an int >= 1, got {bad}"):
         jdp.strategies.data_parallel(accumulate_steps=bad)
 
 

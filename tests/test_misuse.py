@@ -1,6 +1,6 @@
 """Misuse never crashes, hangs or silently changes a result.
 
-One test per case a new user hit (issue #11). Where a crash or a hang is
+One test per case a new user hit. Where a crash or a hang is
 possible, the case runs in a fresh process under a timeout, so the suite
 itself can neither crash nor hang.
 """
@@ -46,7 +46,13 @@ def launch(script, *args, processes=2, timeout=120, extra=()):
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "jdp.launch", "--processes", str(processes)]
-    cmd += ["--devices-per-process", "2", *extra, str(ROOT / "tests" / script), *map(str, args)]
+    cmd += [
+        "--devices-per-process",
+        "2",
+        *extra,
+        str(ROOT / "tests" / "scripts" / script),
+        *map(str, args),
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -128,7 +134,7 @@ def test_no_process_survives_the_launcher(tmp_path, how):
     cmd += [
         "--timeout",
         "300",
-        str(ROOT / "tests" / "multiprocess_stall.py"),
+        str(ROOT / "tests" / "scripts" / "multiprocess_stall.py"),
         str(tmp_path / "pid"),
     ]
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -192,9 +198,9 @@ def test_min_loss_scale_above_the_loss_scale():
 
 def test_checkpoint_steps_must_be_non_negative_ints(tmp_path):
     ckpt = jdp.Checkpointer(tmp_path)
-    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="step must be an int >= 0, got -1"):
         ckpt.save(-1, simple_state())
-    with pytest.raises(TypeError, match="step must be an int, got 1.5"):
+    with pytest.raises(TypeError, match="step must be an int >= 0, got 1.5"):
         ckpt.save(1.5, simple_state())
 
 

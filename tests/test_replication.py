@@ -87,5 +87,5 @@ def test_broadcast_inside_a_step_copies_the_source_replica(source):
 
 
 def test_broadcast_rejects_negative_source():
-    with pytest.raises(ValueError, match="source must be a replica index >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"source \(a replica index\) must be an int >= 0, got -1"):
         jdp.broadcast(jnp.zeros(2), "batch", -1)

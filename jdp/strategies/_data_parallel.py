@@ -5,6 +5,7 @@ from typing import Literal
 import jax
 from jax import lax
 
+from jdp._args import check_int
 from jdp._forward import Contribution, Forward, accumulate, replica_rng
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -79,10 +80,7 @@ def check_reduce(reduce: object, accumulate_steps: object, where: str) -> None:
             f"{where}: unknown reduce={reduce!r}; expected one of {GRAD_REDUCTIONS} ('mean': "
             "single-device semantics on the global batch; 'sum': sum of per-replica gradients)."
         )
-    if isinstance(accumulate_steps, bool) or not isinstance(accumulate_steps, int):
-        raise TypeError(f"{where}: accumulate_steps must be an int, got {accumulate_steps!r}.")
-    if accumulate_steps < 1:
-        raise ValueError(f"{where}: accumulate_steps must be >= 1, got {accumulate_steps}.")
+    check_int(accumulate_steps, "accumulate_steps", minimum=1, where=where)
 
 
 def local_contribution(
