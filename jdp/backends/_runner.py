@@ -33,7 +33,8 @@ Metrics = dict[str, jax.Array]
 class Runner(Protocol):
     """A step wrapped by a backend: what :func:`jdp.fit` and :func:`jdp.evaluate` use."""
 
-    step: PerReplicaStep
+    @property
+    def step(self) -> PerReplicaStep: ...
 
     def __call__(self, state: Any, batch: PyTree) -> Any: ...
 
