@@ -191,9 +191,10 @@ def layout(tx: optax.GradientTransformation, params: PyTree, n: int) -> tuple:
     sliced = jax.eval_shape(tx.init, slice_template(params, n))
     if _tree.structure(logical) != _tree.structure(sliced):
         raise ValueError(
-            "shard_optimizer=True: the optimizer's state has another structure for parameter "
+            "jdp.strategies.zero1: the optimizer's state has another structure for parameter "
             "slices than for whole parameters, so it cannot be split exactly. Use an "
-            "elementwise optimizer (sgd, momentum, adam, adamw, lion) or shard_optimizer=False."
+            "elementwise optimizer (sgd, momentum, adam, adamw, lion) or "
+            "jdp.strategies.data_parallel()."
         )
     shapes: list[tuple[int, ...] | None] = []
     paths = jax.tree_util.tree_flatten_with_path(logical)[0]
@@ -204,11 +205,11 @@ def layout(tx: optax.GradientTransformation, params: PyTree, n: int) -> tuple:
             shapes.append(tuple(whole.shape))
         else:
             raise ValueError(
-                f"shard_optimizer=True: optimizer state leaf {jax.tree_util.keystr(path)} has "
+                f"jdp.strategies.zero1: optimizer state leaf {jax.tree_util.keystr(path)} has "
                 f"shape {whole.shape} for the whole parameters but {part.shape} for a slice "
                 "(expected the slice's own shape): the transform keeps per-leaf statistics "
                 "that are not elementwise (e.g. adafactor's factored moments). Use an "
-                "elementwise optimizer or shard_optimizer=False."
+                "elementwise optimizer or jdp.strategies.data_parallel()."
             )
     return tuple(shapes)
 
