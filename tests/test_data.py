@@ -97,7 +97,7 @@ def test_process_slices_are_disjoint_and_cover_the_global_batch():
             ValueError,
             r"\['x'\] has 10 .* \['y'\] has 9",
         ),
-        ({"batch_size": 0}, ValueError, "batch_size must be >= 1, got 0"),
+        ({"batch_size": 0}, ValueError, "batch_size must be an int >= 1, got 0"),
         ({"batch_size": 12}, ValueError, "batch_size=12 is not divisible by the 8 devices"),
         ({"batch_size": 8.0}, TypeError, "batch_size must be an int"),
         ({"data": np.zeros((10, 2)), "remainder": "pad"}, ValueError, "data must be a dict"),

@@ -200,7 +200,8 @@ def test_dynamic_scaling_recovers_float16_gradients():
         return step.unreplicate(state), metrics
 
     f32, _ = train(None, None)
-    f16_plain, _ = train(jnp.float16, None)
+    with pytest.warns(UserWarning, match=r"precision=float16\) with no loss scale"):
+        f16_plain, _ = train(jnp.float16, None)  # the case the warning names
     f16_scaled, metrics = train(jnp.float16, jdp.DynamicLossScale(jnp.float32(2.0**15)))
     start, ref = _fp32_loss(params, data), _fp32_loss(f32.params, data)
     assert ref < 0.1 * start  # float32 training learns
