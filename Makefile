@@ -30,7 +30,7 @@ format: $(VENV)/.installed
 # Two workers: many tests wait on subprocesses (launcher, notebooks, kill-resume),
 # so two of them overlap well even on 2 cores (13.5 -> 10 min measured).
 test: lint
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=15
 
 demo: $(VENV)/.installed
 	$(PY) -m jdp.demo

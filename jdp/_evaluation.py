@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from jdp._batching import AXIS_NAME, batch_size
-from jdp._replication import refuse_consumed, unreplicate
+from jdp._replication import refuse_consumed
 from jdp._steps import EvalStep, TrainStep
 from jdp._tree import PyTree
 from jdp._weighting import WeightedLoss, weighted_mean
@@ -83,6 +83,16 @@ def make_eval_step(
     return EvalStep(eval_step, axis_name, strategy)
 
 
+def _first_replica(sums: PyTree) -> PyTree:
+    """The first local replica's row of per-replica outputs (the sums are global, alike on all).
+
+    Read by position, not by layout: on a one-device mesh JAX gives a
+    per-replica output of shape (1, ...) the replicated spec, so a layout
+    check would take the row axis for the value.
+    """
+    return jax.tree.map(lambda x: x.addressable_shards[0].data[0], sums)
+
+
 def evaluate(
     wrapped_eval_step: "Runner", state: PyTree, batches: Iterable[PyTree]
 ) -> dict[str, Any]:
@@ -122,7 +132,7 @@ def evaluate(
     refuse_consumed(state, "evaluate")
     outs = []
     for batch in batches:
-        outs.append(unreplicate(wrapped_eval_step(state, wrapped_eval_step.shard(batch))))
+        outs.append(_first_replica(wrapped_eval_step(state, wrapped_eval_step.shard(batch))))
     outs = jax.device_get(outs)  # read back once, after the last batch
     if not outs:
         raise ValueError("evaluate: the batches were empty; there is nothing to evaluate.")

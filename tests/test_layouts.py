@@ -124,3 +124,23 @@ def test_layout_of_names_a_mixed_tree():
     with pytest.raises(ValueError, match=r"mixes layouts: leaf \['a'\] .* leaf \['b'\]"):
         _layout.layout_of(mixed)
     assert _layout.layout_of({"host": np.ones(3)}) is None
+
+
+def test_shard_map_takes_devices_as_pmap_does():
+    devices = jax.devices()[:4]
+    step = jdp.shard_map(jdp.make_train_step(models.mlp_loss), devices=devices)
+    assert list(step.mesh.devices.flat) == devices and step.mesh.axis_names == ("batch",)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("batch",))
+    with pytest.raises(ValueError, match="pass mesh= or devices=, not both"):
+        jdp.shard_map(jdp.make_train_step(models.mlp_loss), mesh=mesh, devices=devices)
+
+
+def test_evaluate_on_one_device_equals_eight(backend):
+    """On a one-device mesh JAX gives per-replica outputs the replicated spec; evaluate reads rows."""
+    results = []
+    for n in (1, 8):
+        step = models.backend(backend, jdp.make_eval_step(_metrics), n)
+        placed = step.replicate(initial_state())
+        results.append(jdp.evaluate(step, placed, [DATA[0], DATA[1]]))
+    np.testing.assert_allclose(results[0]["squared_error"], results[1]["squared_error"], rtol=1e-6)
+    assert results[0]["weights"] == results[1]["weights"] == {"squared_error": 64.0}

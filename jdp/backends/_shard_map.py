@@ -1,6 +1,6 @@
 """The shard_map backend: replicated global state, a globally sharded batch."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import jax
@@ -144,6 +144,7 @@ def shard_map(  # type: ignore[overload-overlap]  # an EvalStep is callable too
     mesh: Mesh | None = ...,
     axis_name: str = ...,
     donate_state: bool | None = ...,
+    devices: Sequence[jax.Device] | None = ...,
 ) -> ShardMapStep[EvalStep]: ...
 
 
@@ -154,6 +155,7 @@ def shard_map(
     mesh: Mesh | None = ...,
     axis_name: str = ...,
     donate_state: bool | None = ...,
+    devices: Sequence[jax.Device] | None = ...,
 ) -> ShardMapStep[TrainStep]: ...
 
 
@@ -163,6 +165,7 @@ def shard_map(
     mesh: Mesh | None = None,
     axis_name: str = AXIS_NAME,
     donate_state: bool | None = None,
+    devices: Sequence[jax.Device] | None = None,
 ) -> ShardMapStep[Any]:
     """Runs a per-replica step with ``jax.jit(jax.shard_map(...))`` on a 1-D mesh.
 
@@ -177,6 +180,8 @@ def shard_map(
       axis_name: the data axis; must match the step's.
       donate_state: donate the input state's buffers to the output (default:
         True for training steps, False for evaluation steps).
+      devices: instead of ``mesh``, the devices of a 1-D mesh (as
+        :func:`jdp.pmap` takes them).
 
     Returns:
       A :class:`ShardMapStep`.
@@ -189,4 +194,8 @@ def shard_map(
       >>> round(float(step.unreplicate(state).params), 4), metrics["loss"].shape
       (0.8, (8,))
     """
+    if devices is not None:
+        if mesh is not None:
+            raise ValueError("jdp.shard_map: pass mesh= or devices=, not both.")
+        mesh = Mesh(np.asarray(list(devices)), (axis_name,))
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
