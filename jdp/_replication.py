@@ -283,7 +283,8 @@ def _replicas(x) -> list[np.ndarray]:
     if is_prng_key(x):
         x = jax.random.key_data(x)
     layout = _layout.layout_of_leaf(x)
-    assert layout is not None  # _check_replicated ran first
+    if layout is None:
+        raise ValueError(f"Not a replicated array: shape {np.shape(x)}, sharding {x.sharding}.")
     return layout.replicas(x)
 
 

@@ -74,3 +74,9 @@ def _explain_leading(batch: PyTree, n: int) -> None:
                 f"devices expects a leading device axis of {n}: pass "
                 "step.shard(batch) (or jdp.shard(batch))."
             )
+
+
+def mesh_names(x) -> tuple:
+    """The axis names of the mesh a traced input was placed on (() for a host array)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return tuple(getattr(mesh, "axis_names", ()))

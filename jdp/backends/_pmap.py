@@ -19,9 +19,8 @@ from jdp._batching import (
 from jdp._replication import placement
 from jdp._steps import EvalStep, PerReplicaStep, TrainStep
 from jdp._tree import PyTree
-from jdp.backends._checks import check_pmap_inputs
+from jdp.backends._checks import check_pmap_inputs, mesh_names
 from jdp.backends._runner import Backend, Compiled, K, Step
-from jdp.backends._shard_map import _mesh_names
 
 
 class PmapStep(Backend[K]):
@@ -158,7 +157,7 @@ def _from_global_batch(batch: PyTree, n: int) -> PyTree:
     """
 
     def one(x):
-        names = _mesh_names(x)
+        names = mesh_names(x)
         if not names or names == (DEVICE_AXIS,) or x.ndim == 0 or x.shape[0] % n:
             return x
         return x.reshape((n, x.shape[0] // n) + x.shape[1:])

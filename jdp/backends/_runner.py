@@ -9,6 +9,7 @@ against donated buffers, jdp's own errors, and re-placing a state that
 arrives in the other backend's layout.
 """
 
+import abc
 import warnings
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
@@ -45,7 +46,7 @@ class Runner(Protocol):
     def shard(self, batch: PyTree) -> PyTree: ...
 
 
-class Backend(Generic[K]):
+class Backend(abc.ABC, Generic[K]):
     """The shared part of :class:`jdp.backends.PmapStep` and :class:`jdp.backends.ShardMapStep`.
 
     Attributes:
@@ -76,8 +77,9 @@ class Backend(Generic[K]):
         # Under an outer jit, which takes the options itself (a nested jit cannot).
         self._fn_traced = self._compile(False) if self._has_options else self._fn
 
+    @abc.abstractmethod
     def _compile(self, options: bool) -> Compiled:
-        raise NotImplementedError
+        """The jitted mapped step, with the strategy's compiler options or without."""
 
     def _check_call(self, state: PyTree, batch: PyTree) -> None:
         """Checks that must run on every call (none where the trace checks)."""
@@ -123,8 +125,9 @@ class Backend(Generic[K]):
         """``tree`` on this backend's devices; a TrainState as the step's strategy places it."""
         return self.step.place(tree, self._placement())
 
+    @abc.abstractmethod
     def _placement(self) -> _layout.Placement:
-        raise NotImplementedError
+        """What this backend gives a strategy's ``place``: its layout on its devices."""
 
     def unreplicate(self, tree: T) -> T:
         """Replica 0's values; a strategy's split state whole (see :func:`jdp.unreplicate`)."""

@@ -12,7 +12,7 @@ from jdp._batching import AXIS_NAME, DEVICE_AXIS, divisible_batch_size, refuse_p
 from jdp._replication import placement
 from jdp._steps import EvalStep, TrainStep
 from jdp._tree import PyTree
-from jdp.backends._checks import check_global_batch, check_state
+from jdp.backends._checks import check_global_batch, check_state, mesh_names
 from jdp.backends._runner import Backend, Compiled, K, Step
 
 
@@ -60,7 +60,7 @@ class ShardMapStep(Backend[K]):
         if DEVICE_AXIS not in self.mesh.axis_names:
             batch = _from_pmap_layout(batch)
         # Only a host batch can be a pmap-layout batch reshaped by hand.
-        check_global_batch(batch, n, warn=not all(_mesh_names(x) for x in jax.tree.leaves(batch)))
+        check_global_batch(batch, n, warn=not all(mesh_names(x) for x in jax.tree.leaves(batch)))
         step, axis_name = self.step, self.axis_name
         # Leaves a strategy placed per replica (a split optimizer state) are
         # split along the data axis and arrive as this device's (1, ...) row.
@@ -124,17 +124,11 @@ def _from_pmap_layout(batch: PyTree) -> PyTree:
     """
 
     def one(x):
-        if _mesh_names(x) != (DEVICE_AXIS,) or x.ndim < 2:
+        if mesh_names(x) != (DEVICE_AXIS,) or x.ndim < 2:
             return x
         return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:])
 
     return jax.tree.map(one, batch)
-
-
-def _mesh_names(x) -> tuple:
-    """The axis names of the mesh a traced input was placed on (() for a host array)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    return tuple(getattr(mesh, "axis_names", ()))
 
 
 @overload
