@@ -21,7 +21,7 @@ from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
-from jdp._replication import gather_replicas, unreplicate
+from jdp._replication import check_replicas_agree, gather_replicas, unreplicate
 from jdp._steps import EvalStep
 from jdp._tree import PyTree
 from jdp.backends import Runner
@@ -102,6 +102,7 @@ def fit(
     )
     check_int(log_every, "log_every", minimum=1, where="fit")
     state, history = _start(state, train_data, num_steps, checkpointer)
+    check_replicas_agree(state, "fit")  # a step reused across fit calls checked only its first
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
     # so hooks and checkpoints see the position of the batch just trained on.
@@ -357,7 +358,8 @@ class _Rows:
         if isinstance(loss, float) and not math.isfinite(loss) and taken:
             message = (
                 f"fit: the loss is {loss} at step {step}, on a step that was not skipped: "
-                "training diverged (non-finite params, or a non-finite batch). Lower the "
+                "training diverged (non-finite params, a non-finite batch, or a negative "
+                "jdp.WeightedLoss weight, which makes its step NaN). Lower the "
                 "learning rate, clip gradients (jdp.clip_by_global_norm), or train with a "
                 "jdp.DynamicLossScale, which skips non-finite steps."
             )

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _layout
 from jdp._args import check_int
@@ -292,3 +292,50 @@ def _close(a: np.ndarray, b: np.ndarray, atol: float) -> bool:
     if a.dtype.kind not in "fc":
         return np.array_equal(a, b)
     return np.allclose(a, b, rtol=0.0, atol=atol, equal_nan=True)
+
+
+def check_replicas_agree(tree: PyTree, where: str) -> None:
+    """Refuses a tree in the pmap layout whose replicas hold different values.
+
+    One pass over the state on the devices and one small transfer, so the
+    backends run it on their first call and :func:`jdp.fit` once: a state
+    built by ``jax.pmap(init)(keys)`` would otherwise train n separate models.
+    Values a strategy places per replica are left out. With several
+    processes it is a collective, as the step that follows is.
+    """
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree)):
+        return
+    named = [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(_layout.shared(tree))[0]
+        if _layout.layout_of_leaf(leaf) is _layout.LEADING_AXIS and leaf.shape[0] > 1
+    ]
+    if not named:
+        return
+    leaves = [x for _, x in named]
+    mesh = leaves[0].sharding.mesh
+    agree = np.asarray(_rows_agree(leaves, NamedSharding(mesh, PartitionSpec())))
+    for (name, _), rows in zip(named, agree, strict=True):
+        if not rows.all():
+            raise ValueError(
+                f"{where}: the state's replicas disagree: leaf {name} on replica "
+                f"{int(np.argmin(rows))} differs from replica 0, so each replica would train "
+                "its own model. Place one copy on every device: "
+                "state = step.replicate(jdp.unreplicate(state)) (initialise the state once, "
+                "not per device as jax.pmap(init)(keys) does)."
+            )
+
+
+@partial(jax.jit, static_argnums=1)
+def _rows_agree(leaves: list[jax.Array], replicated: NamedSharding) -> jax.Array:
+    """``(leaves, n)`` booleans: whether row i of each leaf equals its row 0 (NaNs alike)."""
+
+    def one(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        same = x == x[:1]
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            same |= jnp.isnan(x) & jnp.isnan(x[:1])
+        return jnp.all(same.reshape(x.shape[0], -1), axis=1)
+
+    return jax.lax.with_sharding_constraint(jnp.stack([one(x) for x in leaves]), replicated)

@@ -19,7 +19,7 @@ import jax
 from jdp import _layout, _watchdog
 from jdp._batching import leaves_with_paths
 from jdp._devices import warn_if_cpu_pool_unsafe
-from jdp._replication import CONSUMED, unreplicate
+from jdp._replication import CONSUMED, check_replicas_agree, unreplicate
 from jdp._steps import EvalStep, PerReplicaStep, TrainStep, as_step
 from jdp._tree import PyTree
 from jdp.distributed import check_initialized
@@ -70,6 +70,7 @@ class Backend(abc.ABC, Generic[K]):
         # Reusing donated buffers crashes multi-device executions on XLA:CPU
         # (JAX 0.10.2: segfault); one device raises, and _call explains it.
         self._guard_donated = bool(self._donate) and size > 1
+        self._replicas_checked = False
         warn_if_cpu_pool_unsafe(size)
 
     def _build(self) -> None:
@@ -93,6 +94,9 @@ class Backend(abc.ABC, Generic[K]):
     def __call__(self, state: Any, batch: PyTree) -> Any:
         """Runs the step: ``(state, metrics)`` for a training step, sums for an evaluation step."""
         self._check_call(state, batch)
+        if not self._replicas_checked and not _consumed(state):
+            check_replicas_agree(state, f"jdp.{self.name}")
+            self._replicas_checked = not _traced(state)
         fn = self._fn
         if self._has_options and _traced(state):
             _warn_options_lost(self.step)
