@@ -1,6 +1,6 @@
 """Splitting a global batch along a leading device axis, and back."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -34,10 +34,17 @@ def leaves_with_paths(tree: PyTree, what: str) -> list[tuple[str, jax.Array]]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = jax.tree_util.keystr(path) or "<root>"
         if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            _refuse_records(tree, what)
+            in_list = any(isinstance(k, jax.tree_util.SequenceKey) for k in path)
+            fix = (
+                "It sits in a Python list: convert the list with np.asarray (lists of "
+                "unequal lengths, ragged, must first be padded to one length)."
+                if in_list and isinstance(leaf, (int, float, bool, complex))
+                else "Convert it with np.asarray or move it out of the batch."
+            )
             raise TypeError(
                 f"{what} must be a pytree of arrays, but leaf {name} is a "
-                f"{type(leaf).__name__} ({leaf!r:.60}). Convert it with "
-                "np.asarray or move it out of the batch."
+                f"{type(leaf).__name__} ({leaf!r:.60}). {fix}"
             )
         pairs.append((name, leaf))
     return pairs
@@ -57,6 +64,7 @@ def batch_size(tree: PyTree, what: str = "batch") -> int:
         size = leaves[0].shape[0]
         if all(x.shape[0] == size for x in leaves):
             return size
+    _refuse_records(tree, what)
     pairs = leaves_with_paths(tree, what)
     if not pairs:
         raise ValueError(f"{what} has no array leaves; got {tree!r:.80}.")
@@ -75,10 +83,23 @@ def batch_size(tree: PyTree, what: str = "batch") -> int:
     return first.shape[0]
 
 
+def _refuse_records(tree: PyTree, what: str) -> None:
+    """A list of per-example dicts (what a dataset's rows look like) is not a batch."""
+    if not isinstance(tree, (list, tuple)) or len(tree) < 2:
+        return
+    if all(isinstance(x, Mapping) and x.keys() == tree[0].keys() for x in tree):
+        raise TypeError(
+            f"{what} is a {type(tree).__name__} of {len(tree)} dicts, one per example? jdp "
+            "takes one dict of arrays with a leading batch axis: stack the examples with "
+            "jax.tree.map(lambda *xs: np.stack(xs), *examples)."
+        )
+
+
 def divisible_batch_size(tree: PyTree, n: int) -> int:
     """The batch size ``B`` of ``tree``, checked to split over ``n`` devices."""
     size = batch_size(tree)
     if size % n:
+        _refuse_records(tree, "batch")
         name = leaves_with_paths(tree, "batch")[0][0]
         raise ValueError(
             f"Cannot shard batch leaf {name} with B={size} examples over n={n} "

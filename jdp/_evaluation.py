@@ -9,6 +9,7 @@ import numpy as np
 from jax import lax
 
 from jdp._batching import AXIS_NAME, batch_size
+from jdp._forward import check_call
 from jdp._replication import refuse_consumed
 from jdp._steps import EvalStep, TrainStep
 from jdp._tree import PyTree
@@ -59,6 +60,10 @@ def make_eval_step(
             f"step's, train_step.strategy), got {type(strategy).__name__}."
         )
 
+    if not callable(metric_fn):
+        raise TypeError(f"make_eval_step: metric_fn must be callable, got {metric_fn!r}.")
+    check_call(metric_fn, ("model_state",) * has_model_state, "make_eval_step", "metric_fn")
+
     def eval_step(state, batch):
         extra = {"model_state": state.model_state} if has_model_state else {}
         values = metric_fn(strategy.whole_params(state, axis_name), batch, **extra)
@@ -67,6 +72,12 @@ def make_eval_step(
                 f"metric_fn must return a dict of per-example arrays or jdp.WeightedLoss "
                 f"values, got {type(values).__name__}."
             )
+        for reserved, why in _RESERVED.items():
+            if reserved in values:
+                raise ValueError(
+                    f"metric_fn returned a metric named {reserved!r}, the key under which {why}; "
+                    "rename the metric."
+                )
         size = batch_size(batch)
         sums = {}
         for name, v in values.items():
@@ -81,6 +92,13 @@ def make_eval_step(
         return lax.psum(sums, axis_name)
 
     return EvalStep(eval_step, axis_name, strategy)
+
+
+WEIGHTS = "weights"  # evaluate's entry for the metrics' total weights
+_RESERVED = {
+    WEIGHTS: "jdp.evaluate returns each metric's total weight",
+    "step": "jdp.fit's evaluation rows (history.eval) hold the step number",
+}
 
 
 def _first_replica(sums: PyTree) -> PyTree:
@@ -144,5 +162,5 @@ def evaluate(
         if weights[name] <= 0:
             raise ValueError(f"evaluate: metric {name!r} has total weight 0 (no real examples).")
         result[name] = float(total / weights[name])
-    result["weights"] = {name: float(w) for name, w in weights.items()}
+    result[WEIGHTS] = {name: float(w) for name, w in weights.items()}
     return result

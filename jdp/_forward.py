@@ -7,6 +7,7 @@ gradients are taken. :func:`accumulate` sums micro-batches. Strategies
 (``jdp.strategies``) decide how these contributions cross replicas.
 """
 
+import inspect
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any, NamedTuple
@@ -15,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jdp import _tree
 from jdp._batching import AXIS_NAME, batch_size
 from jdp._collectives import shape_refusing_collectives
 from jdp._precision import Policy
@@ -64,6 +66,9 @@ def make_forward(
                 extra["rng"] = rng
             out = loss_fn(policy.cast_params(p), policy.cast_batch_leaves(batch), **extra)
             loss, new_model_state, aux = _unpack(out, has_aux, has_model_state)
+            if has_model_state:
+                check_model_state(new_model_state, model_state, "loss_fn")
+            check_aux(aux)
             if isinstance(loss, WeightedLoss):
                 total, weight = loss.total.astype(jnp.float32), loss.weight.astype(jnp.float32)
             else:
@@ -135,7 +140,7 @@ def accumulate(
         jnp.float32(0.0),
         jnp.float32(0.0),
         model_state,
-        {k: jnp.zeros((), jnp.float32) for k in first.aux},
+        {k: jnp.zeros(jnp.shape(v), jnp.float32) for k, v in first.aux.items()},
     )
     (grads, total, weight, model_state, aux), _ = lax.scan(body, init, (jnp.arange(steps), micro))
     aux = {k: safe_divide(v, weight) for k, v in aux.items()}
@@ -181,6 +186,76 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
             f"metrics), got {type(aux).__name__}."
         )
     return loss, model_state, aux
+
+
+def check_call(fn: Callable[..., Any], extra: tuple[str, ...], where: str, what: str) -> None:
+    """Refuses, when it is built, a function the step cannot call as ``fn(params, batch, **extra)``."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: the call itself will tell
+        return
+    parameters = signature.parameters.values()
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+    for name in extra:
+        if not takes_any and name not in signature.parameters:
+            flag = "has_model_state" if name == "model_state" else "has_rng"
+            raise TypeError(
+                f"{where}({flag}=True) calls {what}(params, batch, {name}=...) by keyword, but "
+                f"{what} takes {signature}: name that parameter {name}."
+            )
+    try:
+        signature.bind(None, None, **dict.fromkeys(extra))
+    except TypeError as e:
+        missing = [
+            n for n in ("model_state", "rng") if n in signature.parameters and n not in extra
+        ]
+        hint = (
+            f"build the step with has_{missing[0]}=True"
+            if missing and "missing" in str(e)
+            else "give the others defaults or bind them with functools.partial"
+        )
+        passed = "".join(f", {n}=..." for n in extra)
+        raise TypeError(
+            f"{where}: {what}{signature} cannot be called as {what}(params, batch{passed}) "
+            f"({e}); {hint}."
+        ) from None
+
+
+def check_model_state(new: PyTree, old: PyTree, what: str) -> None:
+    """The model state a loss returns has the structure, shapes and dtypes it was given."""
+    new_paths, new_def = jax.tree_util.tree_flatten_with_path(new)
+    old_paths, old_def = jax.tree_util.tree_flatten_with_path(old)
+    if _tree.structure(new) != _tree.structure(old):
+        hint = ""
+        if type(new).__module__.startswith("flax"):
+            hint = " (an NNX loss returns jdp.nnx.state(model, model_state), not the module)"
+        raise ValueError(
+            f"{what} returned a model state of another structure than state.model_state"
+            f"{hint}: got {new_def!s:.200}, expected {old_def!s:.200}. Return the updated "
+            "model state with the same keys (e.g. Flax Linen's mutated['batch_stats'])."
+        )
+    for (path, x), (_, y) in zip(new_paths, old_paths, strict=True):
+        if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+            raise TypeError(
+                f"{what} returned model state leaf {jax.tree_util.keystr(path)} as "
+                f"{jnp.result_type(x)}{list(jnp.shape(x))}, but state.model_state holds "
+                f"{jnp.result_type(y)}{list(jnp.shape(y))}: return it in the same shape and "
+                "dtype (e.g. .astype(old.dtype)), or create the state with the new one."
+            )
+
+
+def check_aux(aux: Mapping[str, Any]) -> None:
+    """Aux values are numeric arrays (each replica's mean, averaged across replicas)."""
+    for key, value in aux.items():
+        if not isinstance(key, str):
+            raise TypeError(f"aux keys name metrics and must be strings, got {key!r}.")
+        if isinstance(value, (str, bytes)) or not (
+            hasattr(value, "dtype") or isinstance(value, (int, float, bool))
+        ):
+            raise TypeError(
+                f"aux[{key!r}] is a {type(value).__name__} ({value!r:.40}); aux values are "
+                "numeric arrays that join the metrics. Log text and objects outside the step."
+            )
 
 
 def _check_loss(loss: Any) -> None:

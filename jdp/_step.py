@@ -14,7 +14,7 @@ from jax.typing import DTypeLike
 
 from jdp import metrics as _metrics
 from jdp._batching import AXIS_NAME, leaves_with_paths
-from jdp._forward import Forward, make_forward
+from jdp._forward import Forward, check_call, make_forward
 from jdp._loss_scale import NoOpLossScale
 from jdp._precision import Policy, as_policy
 from jdp._state import TrainState
@@ -34,6 +34,9 @@ DEPRECATED = {
     "virtual_replicas": ("0.1.0", "0.2.0", "strategy=jdp.strategies.exact(virtual_replicas)"),
     "shard_optimizer": ("0.1.0", "0.2.0", "strategy=jdp.strategies.zero1()"),
 }
+
+# What jdp.fit's history rows hold beside a step's metrics.
+ROW_KEYS = ("step", "examples_per_s", "weight_per_s")
 
 # The rules of the metrics every step returns: the loss, its weight and apply_gradients' own.
 _OWN_RULES = {
@@ -81,7 +84,7 @@ def make_train_step(
 
     ``extra`` holds ``model_state=state.model_state`` when ``has_model_state``
     and ``rng=<this replica's key>`` when ``has_rng``. ``aux`` is a dict of
-    scalar means that joins the metrics.
+    means (numeric arrays, scalars or vectors) that joins the metrics.
 
     ``loss`` is either a scalar, the mean over this replica's examples
     (replicas and micro-batches weighted equally), or a
@@ -152,6 +155,8 @@ def make_train_step(
     strategy = _strategy(strategy, {k: v for k, v in deprecated.items() if v is not None})
     requested = _requested_metrics(metrics, log_grad_norm, log_learning_rate)
     policy = as_policy(precision)
+    extra = ("model_state",) * has_model_state + ("rng",) * has_rng
+    check_call(loss_fn, extra, "make_train_step", "loss_fn")
     forward = make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
     fn = _build_step(forward, strategy, axis_name, has_model_state, has_rng, requested, policy)
     rules = {**_OWN_RULES, **dict(strategy.metric_rules), **{m.name: m.rule for m in requested}}
@@ -183,11 +188,12 @@ def _requested_metrics(
     if log_learning_rate is not False:
         out.append(_metrics.learning_rate(log_learning_rate))
     names = [m.name for m in out]
-    repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(_OWN_RULES)))
+    own = set(_OWN_RULES) | set(ROW_KEYS)
+    repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & own))
     if repeated:
         raise ValueError(
             f"make_train_step: metric names {repeated} are given twice or are the step's own "
-            "(loss, weight, grads_finite, loss_scale, skipped_steps); rename them."
+            f"({', '.join(sorted(own))}); rename them."
         )
     return tuple(out)
 
@@ -254,11 +260,12 @@ def _build_step(
         model_state = out.model_state if has_model_state else None
         state, info = strategy.update(state, grads, model_state, axis_name)
         own = {"loss": out.loss, **info, **({} if out.weight is None else {"weight": out.weight})}
-        clash = sorted(set(out.aux) & (set(own) | set(_OWN_RULES) | {m.name for m in requested}))
+        reserved = set(own) | set(_OWN_RULES) | set(ROW_KEYS) | {m.name for m in requested}
+        clash = sorted(set(out.aux) & reserved)
         if clash:
             raise ValueError(
-                f"aux keys {clash} are reserved for jdp's own metrics (or the step's metrics=); "
-                "rename them."
+                f"aux keys {clash} are reserved for jdp's own metrics (or the step's metrics=, "
+                f"or jdp.fit's history rows: {', '.join(ROW_KEYS)}); rename them."
             )
         view = StepView(
             before,

@@ -43,8 +43,8 @@ class WeightedLoss:
     weight: jax.Array
 
     def __post_init__(self) -> None:
-        # A traced weight cannot be checked here; a negative one counts as 0
-        # there (docs/pitfalls.md). A concrete one is refused at once.
+        # A traced weight cannot be checked here; a negative one makes the
+        # step NaN (zero_where_weightless). A concrete one is refused at once.
         weight = self.weight
         if not isinstance(weight, jax.core.Tracer) and np.any(np.asarray(weight) < 0):
             raise ValueError(
@@ -99,16 +99,34 @@ def weighted_mean(values: jax.typing.ArrayLike, mask: jax.typing.ArrayLike | Non
 
 
 def safe_divide(total: jax.Array, weight: jax.Array) -> jax.Array:
-    """``total / weight`` where ``weight > 0``, else exactly 0 (never NaN)."""
+    """``total / weight`` where ``weight > 0``, exactly 0 where it is 0, NaN where negative.
+
+    A negative weight can only be a traced one (``WeightedLoss`` refuses the
+    others): NaN says so, where 0 would read as a replica without examples.
+    """
     positive = weight > 0
-    return jnp.where(positive, total / jnp.where(positive, weight, 1), 0)
+    none = jnp.where(weight < 0, jnp.nan, 0.0)  # weakly typed: keeps total's dtype
+    return jnp.where(positive, total / jnp.where(positive, weight, 1), none)
 
 
 def zero_where_weightless(tree: PyTree, weight: jax.Array | None) -> PyTree:
-    """Exact zeros in place of ``tree`` when ``weight`` is 0 (even over NaN)."""
+    """Exact zeros in place of ``tree`` when ``weight`` is 0 (even over NaN).
+
+    A negative weight (traced, so ``WeightedLoss`` could not refuse it) gives
+    NaN in place of floating leaves: the step's loss and gradients turn NaN,
+    which a loss scale skips and :func:`jdp.fit` reports, instead of the
+    replica's data being dropped without a word.
+    """
     if weight is None:
         return tree
-    return jax.tree.map(lambda x: jnp.where(weight > 0, x, jnp.zeros_like(x)), tree)
+
+    def one(x):
+        none = jnp.zeros_like(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            none = jnp.where(weight < 0, jnp.full_like(x, jnp.nan), none)
+        return jnp.where(weight > 0, x, none)
+
+    return jax.tree.map(one, tree)
 
 
 def weighted_average(tree: PyTree, weight: jax.Array | None, axis_name: str) -> PyTree:

@@ -58,6 +58,17 @@ def check_state(state: PyTree, n: int, layout: _layout.Layout) -> None:
     )
 
 
+def check_per_replica_rows(state: PyTree, n: int) -> None:
+    """Leaves a strategy placed per replica have one row per device of this step."""
+    rows = _layout.per_replica_leaves(state)
+    for leaf, per_replica in zip(jax.tree.leaves(state), rows, strict=True):
+        if per_replica and np.shape(leaf)[:1] != (n,):
+            raise ValueError(
+                f"The state's strategy split it over {np.shape(leaf)[0]} devices but this "
+                f"step runs on {n}. Re-place it: state = step.replicate(step.unreplicate(state))."
+            )
+
+
 def _leading_axes_ok(batch: PyTree, ok: Callable[[int], bool]) -> bool:
     """The per-step check: cheap; leaf paths are only built to explain a failure."""
     return all(

@@ -12,7 +12,12 @@ from jdp._batching import AXIS_NAME, DEVICE_AXIS, divisible_batch_size, refuse_p
 from jdp._replication import placement
 from jdp._steps import EvalStep, TrainStep
 from jdp._tree import PyTree
-from jdp.backends._checks import check_global_batch, check_state, mesh_names
+from jdp.backends._checks import (
+    check_global_batch,
+    check_per_replica_rows,
+    check_state,
+    mesh_names,
+)
 from jdp.backends._runner import Backend, Compiled, K, Step
 
 
@@ -57,6 +62,7 @@ class ShardMapStep(Backend[K]):
         """Traced once per input structure: the checks, then the mapped step."""
         n = self.mesh.size
         check_state(state, n, self.layout)
+        check_per_replica_rows(state, n)
         if DEVICE_AXIS not in self.mesh.axis_names:
             batch = _from_pmap_layout(batch)
         # Only a host batch can be a pmap-layout batch reshaped by hand.
