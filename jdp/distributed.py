@@ -7,6 +7,7 @@ supports); explicit arguments go straight to ``jax.distributed.initialize``.
 """
 
 import contextlib
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ def initialize(
     local_device_ids: int | Sequence[int] | None = None,
     cpu_devices_per_process: int | None = None,
     initialization_timeout: int = 300,
-    timeout: int | None = None,
+    timeout: float | None = None,
     **jax_kwargs: Any,
 ) -> None:
     """Joins this process to a multi-process job on JAX's distributed runtime.
@@ -95,10 +96,11 @@ def initialize(
     Raises:
       RuntimeError: called twice, or after JAX's backend already started (a
         collective, an array or ``jax.devices()`` came first).
-      ValueError: a timeout JAX option is passed in ``jax_kwargs`` (use ``timeout``).
+      ValueError: a timeout JAX option is passed in ``jax_kwargs`` (use ``timeout``);
+        ``timeout`` (or ``$JDP_TIMEOUT``) is not a positive number of seconds; the
+        coordinator address is not ``host:port``.
     """
     _check_can_initialize(jax_kwargs)
-    _CALLED.append(True)
     env = os.environ
     launched = ENV_COORDINATOR in env
     if coordinator_address is None and launched:
@@ -116,7 +118,12 @@ def initialize(
     if cpu_devices_per_process:
         force_cpu_devices(cpu_devices_per_process)
     if timeout is None and ENV_TIMEOUT in env:
-        timeout = int(env[ENV_TIMEOUT])
+        timeout = timeout_seconds(env[ENV_TIMEOUT], f"${ENV_TIMEOUT}")
+    elif timeout is not None:
+        timeout = timeout_seconds(timeout, "timeout")
+    if coordinator_address is not None:
+        check_address(coordinator_address)
+    _CALLED.append(True)
     if timeout is not None:
         # The shutdown barrier outwaits the stall watchdog, so a process that
         # finished early is named by the others instead of aborting first.
@@ -188,6 +195,50 @@ def _exported(num_processes: int | None, process_id: int | None) -> tuple[str, i
             f"or pass num_processes= and process_id=; for one process, unset {ENV_JAX_COORDINATOR}."
         )
     return address, num_processes, process_id
+
+
+def timeout_seconds(value: object, name: str, where: str = "jdp.distributed.initialize") -> int:
+    """A timeout as the whole positive seconds JAX takes, from a number or a variable's text.
+
+    Example:
+      >>> from jdp.distributed import timeout_seconds
+      >>> timeout_seconds("30.5", "$JDP_TIMEOUT"), timeout_seconds(120, "timeout")
+      (31, 120)
+    """
+    seconds = value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            seconds = float(value)
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        kind = TypeError if not isinstance(value, str) else ValueError
+        raise kind(
+            f"{where}: {name} must be a number of seconds, got {value!r} "
+            "(e.g. 600 for ten minutes)."
+        )
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"{where}: {name} must be a positive number of seconds, got "
+            f"{value!r}: it is how long a stalled job waits before it ends (e.g. 600)."
+        )
+    return math.ceil(seconds)
+
+
+def check_address(address: object) -> None:
+    """The coordinator address is ``host:port``: a URL or a bare host would hang the join."""
+    where = "jdp.distributed.initialize: the coordinator address"
+    if not isinstance(address, str):
+        raise TypeError(f"{where} must be a 'host:port' string, got {address!r}.")
+    if "://" in address:
+        raise ValueError(
+            f"{where} {address!r} is a URL; give host:port without a scheme, e.g. "
+            f"{address.split('://', 1)[1].rstrip('/')!r}."
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"{where} {address!r} is not host:port (e.g. 10.0.0.1:1234, the host of process 0 "
+            "and a free port on it)."
+        )
 
 
 def _int_variable(name: str) -> int | None:

@@ -9,8 +9,10 @@ prefixed with its index. If any process fails, the others are stopped
 failing code, or, with ``--max-restarts K``, starts the whole job again (up to
 K times; the script resumes from its checkpoints). A job whose processes stop making progress (one waits in a
 collective for a step another never runs) ends within about ``--timeout``
-seconds with a message naming them. If the launcher itself is terminated or
-killed, so are its processes. Clusters use their own launchers (srun,
+seconds with a message naming them. If the launcher itself is stopped, it
+passes SIGTERM on (``jdp.fit`` saves a last checkpoint) and exits with 130 for
+Ctrl-C, 75 for SIGTERM or SIGHUP once every process saved ("run me again");
+a second Ctrl-C kills at once. If it is killed, so are its processes. Clusters use their own launchers (srun,
 mpirun, Kubernetes).
 """
 
@@ -33,9 +35,11 @@ from jdp.distributed import (
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
     ENV_TIMEOUT,
+    timeout_seconds,
 )
 
 GRACE_SECONDS = 5.0
+EXIT_PREEMPTED = 75  # what jdp.fit exits with once it saved on SIGTERM: "run me again"
 PREEMPTION_GRACE = 35.0  # a little over the processes' own (jdp._watchdog): 30 s
 DEFAULT_TIMEOUT = 120
 # Gloo prints one line per rank and connection (two ranks' lines can
@@ -179,10 +183,12 @@ def launch(
     """
     steps: list[int | None] = []
     for attempt in range(max_restarts + 1):
-        code, why, tails = _run(script, args, processes, devices_per_process, timeout, verbose)
+        code, why, tails, interrupted = _run(
+            script, args, processes, devices_per_process, timeout, verbose
+        )
         if why:
             sys.stderr.write(f"[launch] {why}\n")
-        if code in (0, 130):  # done, or the launcher itself was interrupted
+        if code == 0 or interrupted:  # done, or the launcher itself was stopped
             break
         steps.append(_failed_step(tails))
         at = "" if steps[-1] is None else f" at step {steps[-1]}"
@@ -229,30 +235,62 @@ def _run(script, args, processes, devices_per_process, timeout, verbose):
             t.start()
             pumps.append(t)
 
+    signals: list[int] = []
+
     def terminate(signum, frame):
+        signals.append(signum)
         raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
+    def kill_now(signum, frame):  # a second Ctrl-C or SIGTERM: stop waiting for the saves
+        sys.stderr.write("[launch] interrupted again: killing every process now\n")
+        for p in procs:
+            _signal_group(p.pid, signal.SIGKILL)
+
+    stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, terminate) for s in stopping}
     grace = GRACE_SECONDS
     try:
         code, why = _watch(procs, timeout)
     except KeyboardInterrupt:
         # Interrupted (Ctrl-C, SIGTERM): jdp.fit saves a last checkpoint on the
         # SIGTERM it now receives, which may take a few steps; wait for it.
-        code, why, grace = 130, "interrupted; stopping every process", PREEMPTION_GRACE
+        for s in stopping:
+            signal.signal(s, kill_now)
+        if not signals:  # a KeyboardInterrupt from elsewhere
+            signals.append(signal.SIGINT)
+        code, why, grace = 0, "interrupted; stopping every process", PREEMPTION_GRACE
     finally:
         _stop(procs, grace)
         for t in pumps:
             t.join(timeout=2)
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if signals:
+        code = _interrupted_code(signals[0], procs)
     stalled = _stalled(tails, processes)
     if stalled:
         why = (
             f"process(es) {stalled} stopped making progress: the others waited for them at "
             f"exit for {timeout} s (do all processes run the same number of steps?)"
         )
-    return code, why, tails
+    return code, why, tails, bool(signals)
+
+
+def _interrupted_code(signum: int, procs: list[subprocess.Popen]) -> int:
+    """Ctrl-C: 130. SIGTERM or SIGHUP (preemption): 75 when every process saved and
+    asks to be run again (``jdp.fit``'s exit code), else 128 + the signal, as shells say."""
+    if signum != signal.SIGINT and all(p.returncode == EXIT_PREEMPTED for p in procs):
+        return EXIT_PREEMPTED
+    return 128 + signum
+
+
+def _timeout(flag: float | None) -> int:
+    """``--timeout``, else the ``$JDP_TIMEOUT`` the user exported, else the default."""
+    if flag is not None:
+        return timeout_seconds(flag, "--timeout", "jdp.launch")
+    if ENV_TIMEOUT in os.environ:
+        return timeout_seconds(os.environ[ENV_TIMEOUT], f"${ENV_TIMEOUT}", "jdp.launch")
+    return DEFAULT_TIMEOUT
 
 
 def main(argv=None) -> None:
@@ -265,10 +303,11 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--timeout",
-        type=int,
-        default=DEFAULT_TIMEOUT,
+        type=float,
+        default=None,
         help="seconds before a job whose processes stopped making progress is ended "
-        f"(JAX heartbeats and shutdown barrier; default {DEFAULT_TIMEOUT})",
+        f"(JAX heartbeats and shutdown barrier; default ${ENV_TIMEOUT} if exported, "
+        f"else {DEFAULT_TIMEOUT})",
     )
     parser.add_argument(
         "--max-restarts",
@@ -283,8 +322,10 @@ def main(argv=None) -> None:
     ns = parser.parse_args(argv)
     if ns.processes < 1 or ns.devices_per_process < 1:
         parser.error("--processes and --devices-per-process must be >= 1")
-    if ns.timeout < 1:
-        parser.error("--timeout must be >= 1")
+    try:
+        timeout = _timeout(ns.timeout)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
     if ns.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
     code = launch(
@@ -292,7 +333,7 @@ def main(argv=None) -> None:
         ns.args,
         ns.processes,
         ns.devices_per_process,
-        timeout=ns.timeout,
+        timeout=timeout,
         verbose=ns.verbose,
         max_restarts=ns.max_restarts,
     )
