@@ -7,6 +7,7 @@ and in sync on the current devices, whatever device count wrote it.
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import pathlib
@@ -82,6 +83,7 @@ class Checkpointer:
                 f"Checkpointer: {self.directory} is a file; pass a directory (it is created "
                 "if missing) where the step directories will live."
             )
+        _check_one_folder(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
@@ -145,7 +147,7 @@ class Checkpointer:
         step: int | None = None,
         *,
         place: Callable[[PyTree], PyTree] | None = None,
-    ) -> tuple[PyTree, dict[str, Any] | None]:
+    ) -> tuple[PyTree, dict[str, Any]]:
         """Restores a checkpoint into the structure of ``template``.
 
         Args:
@@ -161,7 +163,7 @@ class Checkpointer:
 
         Returns:
           ``(state, extra)``: the state replicated and in sync on the current
-          devices, and the ``extra`` saved with it.
+          devices, and the ``extra`` saved with it (``{}`` if none was).
 
         Raises:
           FileNotFoundError: there is no checkpoint (or no checkpoint ``step``).
@@ -210,7 +212,7 @@ class Checkpointer:
                 stacklevel=2,
             )
         state = _rebuild(template, expected, _flatten_nested(restored["state"]))
-        return (place or _placement_like(template))(state), meta["extra"]
+        return (place or _placement_like(template))(state), meta["extra"] or {}
 
     def _read_metadata(self, step: int) -> tuple[Any, Exception | None]:
         """``(leaf shapes and dtypes, None)``, or ``(None, error)`` when damaged."""
@@ -302,6 +304,32 @@ def _check_format(meta: Any, step: int, directory: pathlib.Path) -> None:
             f"format {FORMAT_VERSION}: it was written by another jdp version (or not by "
             "jdp). Restore it with the jdp that wrote it, or start from scratch."
         )
+
+
+def _check_one_folder(directory: pathlib.Path) -> None:
+    """Every process names the same folder (a collective when there are several).
+
+    The processes write each checkpoint together; given a folder each, Orbax's
+    first save waits for the others' files until JAX's timeout aborts the job.
+    """
+    if jax.process_count() == 1:
+        return
+    text = str(directory).encode()
+    row = np.zeros(_FOLDER_BYTES + 32, np.uint8)
+    row[:32] = np.frombuffer(hashlib.sha256(text).digest(), np.uint8)
+    row[32 : 32 + min(len(text), _FOLDER_BYTES)] = np.frombuffer(text[:_FOLDER_BYTES], np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(row))
+    if all(np.array_equal(r[:32], rows[0][:32]) for r in rows):
+        return
+    folders = [bytes(r[32:]).rstrip(b"\0").decode(errors="replace") for r in rows]
+    named = ", ".join(f"process {i}: {folder}" for i, folder in enumerate(folders))
+    raise ValueError(
+        f"Checkpointer: the processes name different folders ({named}). They write each "
+        "checkpoint together: pass every process the same folder, on a file system they share."
+    )
+
+
+_FOLDER_BYTES = 1024  # of each path, to name it; the hash compares the whole path
 
 
 def _agreed(candidates: list[int]) -> list[int]:
