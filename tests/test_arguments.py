@@ -154,3 +154,106 @@ def test_a_removed_keyword_is_a_type_error_and_a_deprecated_one_names_its_remova
         jdp.make_train_step(models.mlp_loss, log_grad_norms=True)
     with pytest.warns(DeprecationWarning, match=r"deprecated in 0.1.0 and removed in 0.2.0"):
         jdp.make_train_step(models.mlp_loss, grad_reduce="sum")
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        ("0", ValueError, "positive number of seconds, got '0'"),
+        ("-5", ValueError, "positive number of seconds, got '-5'"),
+        ("10m", ValueError, r"number of seconds, got '10m' \(e.g. 600"),
+        ("inf", ValueError, "positive number of seconds"),
+        (True, TypeError, "number of seconds, got True"),
+        ([5], TypeError, "number of seconds"),
+    ],
+)
+def test_a_timeout_must_be_a_positive_number_of_seconds(value, error, match):
+    with pytest.raises(error, match=match):
+        jdp.distributed.timeout_seconds(value, "$JDP_TIMEOUT")
+
+
+def test_a_fractional_timeout_rounds_up_to_whole_seconds():
+    assert jdp.distributed.timeout_seconds("30.5", "$JDP_TIMEOUT") == 31
+    assert jdp.distributed.timeout_seconds(120, "timeout") == 120
+
+
+@pytest.mark.parametrize(
+    ("address", "match"),
+    [
+        (
+            "http://10.0.0.1:1234",
+            r"is a URL; give host:port without a scheme, e.g. '10.0.0.1:1234'",
+        ),
+        ("grpc://head:8476/", "is a URL"),
+        ("10.0.0.1", "is not host:port"),
+        ("head:port", "is not host:port"),
+        (":1234", "is not host:port"),
+        ("head:70000", "is not host:port"),
+    ],
+)
+def test_a_coordinator_address_must_be_host_and_port(address, match):
+    with pytest.raises(ValueError, match=match):
+        jdp.distributed.check_address(address)
+    jdp.distributed.check_address("[::1]:1234")  # IPv6 with a port is fine
+
+
+INITIALIZE = (
+    "import jdp, os, sys\n"
+    "try:\n"
+    "    jdp.distributed.initialize()\n"
+    "except ValueError as e:\n"
+    "    print('ValueError', e)\n"
+    "    for name in sys.argv[1:]:  # fixed, the call can be made again\n"
+    "        del os.environ[name]\n"
+    "    jdp.distributed.initialize()\n"
+    "    print('joined')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("variables", "expected"),
+    [
+        ({"JDP_TIMEOUT": "0"}, "$JDP_TIMEOUT must be a positive number of seconds"),
+        ({"JDP_TIMEOUT": "10m"}, "$JDP_TIMEOUT must be a number of seconds"),
+        (
+            {
+                "JAX_COORDINATOR_ADDRESS": "http://127.0.0.1:1",
+                "JAX_NUM_PROCESSES": "1",
+                "JAX_PROCESS_ID": "0",
+            },
+            "is a URL",
+        ),
+    ],
+)
+def test_initialize_refuses_bad_variables_before_joining(variables, expected):
+    """A fresh process: before, a URL hung in the join and 0 aborted with a heartbeat error."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("JDP_", "JAX_", "SLURM"))}
+    environ |= variables
+    run = subprocess.run(
+        [sys.executable, "-c", INITIALIZE, *variables],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    first = run.stdout.splitlines()[0]
+    assert first.startswith("ValueError jdp.distributed.initialize: ") and expected in first, first
+    assert run.stdout.splitlines()[1] == "joined"
+
+
+def test_the_launcher_keeps_an_exported_jdp_timeout(monkeypatch):
+    from jdp import launch
+
+    monkeypatch.setenv("JDP_TIMEOUT", "45")
+    assert launch._timeout(None) == 45  # was overridden by the default 120
+    assert launch._timeout(30.0) == 30  # --timeout wins
+    monkeypatch.delenv("JDP_TIMEOUT")
+    assert launch._timeout(None) == launch.DEFAULT_TIMEOUT
+    monkeypatch.setenv("JDP_TIMEOUT", "-5")
+    with pytest.raises(ValueError, match=r"^jdp.launch: \$JDP_TIMEOUT must be a positive"):
+        launch._timeout(None)

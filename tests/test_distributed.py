@@ -90,3 +90,14 @@ def test_launcher_rejects_bad_counts():
         text=True,
     )
     assert run.returncode == 2 and "must be >= 1" in run.stderr
+
+
+def test_a_checkpoint_folder_per_process_is_refused_naming_the_folders(tmp_path):
+    """Before, the first save stalled for the whole timeout and then aborted with a stack trace."""
+    start = time.monotonic()
+    run = launch(2, 1, "multiprocess_own_folders.py", tmp_path, timeout=120)
+    assert run.returncode == 3, run.stderr[-3000:]
+    for i in (0, 1):
+        assert f"process {i}: {tmp_path / str(i)}" in run.stdout, run.stdout[-3000:]
+    assert "refused: Checkpointer: the processes name different folders" in run.stdout
+    assert time.monotonic() - start < 60

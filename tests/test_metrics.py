@@ -77,6 +77,13 @@ def test_a_vector_aux_metric_stays_a_vector():
     first = {k: v[:32] for k, v in DATA.items()}
     expected = np.mean((models.mlp_forward(params, first) - first["y"]) ** 2, axis=0)
     np.testing.assert_allclose(rows[0]["per_output"], expected, rtol=1e-5)
+    # Accumulated over micro-batches it is the same mean (it used to fail to trace).
+    step = jdp.shard_map(
+        jdp.make_train_step(
+            loss, has_aux=True, strategy=jdp.strategies.data_parallel(accumulate_steps=2)
+        )
+    )
+    np.testing.assert_allclose(fit(step, num_steps=1)[0]["per_output"], expected, rtol=1e-5)
 
 
 def test_exact_mode_logs_the_global_loss_as_it_is():

@@ -164,3 +164,170 @@ def test_a_negative_weight_is_refused_where_it_can_be_seen():
     with pytest.raises(ValueError, match=r"weight must be >= 0 .* got -2.0"):
         jdp.WeightedLoss(total=jnp.float32(1.0), weight=jnp.float32(-2.0))
     assert float(jdp.WeightedLoss(jnp.float32(3.0), jnp.float32(2.0)).mean()) == 1.5
+
+
+def counter_state():
+    return jdp.TrainState.create(
+        params=models.mlp_params(), tx=optax.sgd(0.1), model_state={"count": jnp.zeros(())}
+    )
+
+
+def run_once(loss, **kwargs):
+    step = jdp.shard_map(jdp.make_train_step(loss, **kwargs))
+    placed = step.replicate(counter_state() if kwargs.get("has_model_state") else plain_state())
+    return step(placed, step.shard(BATCH))
+
+
+def plain_state():
+    return jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1))
+
+
+@pytest.mark.parametrize(
+    ("loss", "kwargs", "match"),
+    [
+        (
+            lambda p, b, state: (models.mlp_loss(p, b), state),
+            {"has_model_state": True},
+            r"^make_train_step\(has_model_state=True\) calls loss_fn\(params, batch, "
+            r"model_state=\.\.\.\) by keyword, but loss_fn takes \(p, b, state\): name that "
+            "parameter model_state",
+        ),
+        (
+            lambda p, b, key: models.mlp_loss(p, b),
+            {"has_rng": True},
+            r"^make_train_step\(has_rng=True\) calls loss_fn\(params, batch, rng=\.\.\.\)",
+        ),
+        (
+            lambda p, b, model_state: models.mlp_loss(p, b),
+            {},
+            r"^make_train_step: loss_fn\(p, b, model_state\) cannot be called as "
+            r"loss_fn\(params, batch\) .*build the step with has_model_state=True",
+        ),
+        (
+            lambda p: models.mlp_loss(p, BATCH),
+            {},
+            r"^make_train_step: loss_fn\(p\) cannot be called as loss_fn\(params, batch\)",
+        ),
+    ],
+)
+def test_a_loss_the_step_cannot_call_is_refused_when_the_step_is_built(loss, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        jdp.make_train_step(loss, **kwargs)
+
+
+def test_losses_taking_keywords_any_way_are_accepted():
+    def by_kwargs(params, batch, **extra):
+        return models.mlp_loss(params, batch), extra["model_state"]
+
+    def with_default(params, batch, model_state, scale=1.0):
+        return scale * models.mlp_loss(params, batch), model_state
+
+    for loss in (by_kwargs, with_default):
+        _, metrics = run_once(loss, has_model_state=True)
+        assert np.isfinite(np.asarray(metrics["loss"])).all()
+
+
+def test_make_eval_step_checks_its_metric_function_too():
+    with pytest.raises(TypeError, match=r"^make_eval_step\(has_model_state=True\) calls metric_fn"):
+        jdp.make_eval_step(lambda p, b, stats: {}, has_model_state=True)
+    with pytest.raises(TypeError, match="^make_eval_step: metric_fn must be callable"):
+        jdp.make_eval_step("loss")
+
+
+@pytest.mark.parametrize(
+    ("returned", "error", "match"),
+    [
+        (
+            lambda ms: {**ms, "extra": jnp.zeros(())},
+            ValueError,
+            r"^loss_fn returned a model state of another structure than state.model_state",
+        ),
+        (
+            lambda ms: {"count": ms["count"].astype(jnp.int32)},
+            TypeError,
+            r"^loss_fn returned model state leaf \['count'\] as int32\[\], but state.model_state "
+            r"holds float32\[\]",
+        ),
+        (
+            lambda ms: {"count": jnp.zeros(3)},
+            TypeError,
+            r"as float32\[3\], but state.model_state holds float32\[\]",
+        ),
+    ],
+)
+def test_a_model_state_of_another_structure_shape_or_dtype_is_refused(returned, error, match):
+    def loss(params, batch, model_state):
+        return models.mlp_loss(params, batch), returned(model_state)
+
+    with pytest.raises(error, match=match):
+        run_once(loss, has_model_state=True)
+
+
+def test_an_nnx_loss_returning_the_module_is_told_what_to_return():
+    nnx = pytest.importorskip("flax.nnx")
+    import jdp.nnx
+    model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
+    graphdef, params, model_state = jdp.nnx.split(model)
+
+    def loss(params, batch, model_state):
+        module = jdp.nnx.merge(graphdef, params, model_state)
+        return jnp.mean((module(batch["x"]) - batch["y"]) ** 2), module
+
+    step = jdp.shard_map(jdp.make_train_step(loss, has_model_state=True))
+    placed = step.replicate(
+        jdp.TrainState.create(params=params, tx=optax.sgd(0.1), model_state=model_state)
+    )
+    with pytest.raises(
+        ValueError, match=r"an NNX loss returns jdp.nnx.state\(model, model_state\), not the module"
+    ):
+        step(placed, step.shard(BATCH))
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (lambda b: "hello", TypeError, r"^aux\['v'\] is a str \('hello'\); aux values are numeric"),
+        (lambda b: {"nested": 1.0}, TypeError, r"^aux\['v'\] is a dict"),
+    ],
+)
+def test_aux_values_must_be_numeric(value, error, match):
+    def loss(params, batch):
+        return models.mlp_loss(params, batch), {"v": value(batch)}
+
+    with pytest.raises(error, match=match):
+        run_once(loss, has_aux=True)
+
+
+@pytest.mark.parametrize("name", ["weights", "step"])
+def test_an_evaluation_metric_named_as_evaluate_or_fit_name_their_entries_is_refused(name):
+    evaluator = jdp.shard_map(
+        jdp.make_eval_step(lambda p, b: {name: jnp.sum(b["x"], -1), "e": jnp.sum(b["x"], -1)})
+    )
+    with pytest.raises(ValueError, match=f"^metric_fn returned a metric named '{name}'"):
+        jdp.evaluate(evaluator, evaluator.replicate(plain_state()), [BATCH])
+
+
+def test_an_aux_metric_named_as_fit_names_its_row_entries_is_refused():
+    def loss(params, batch):
+        return models.mlp_loss(params, batch), {"step": jnp.float32(1.0)}
+
+    with pytest.raises(ValueError, match=r"^aux keys \['step'\] are reserved"):
+        run_once(loss, has_aux=True)
+
+
+def test_a_list_of_examples_or_a_ragged_list_is_told_how_to_become_a_batch():
+    step = jdp.shard_map(jdp.make_train_step(models.mlp_loss))
+    records = [{"x": BATCH["x"][i], "y": BATCH["y"][i]} for i in range(16)]
+    for shard in (step.shard, jdp.shard):
+        with pytest.raises(TypeError, match=r"^batch is a list of 16 dicts, one per example\?"):
+            shard(records)
+    scalars = [{"x": 1.0, "y": 2.0}] * 16
+    with pytest.raises(TypeError, match="list of 16 dicts"):
+        step.shard(scalars)
+    ragged = {"x": [[1.0, 2.0]] * 8 + [[1.0]] * 8}
+    with pytest.raises(
+        TypeError, match="It sits in a Python list: convert the list with np.asarray"
+    ):
+        step.shard(ragged)
+    stacked = jax.tree.map(lambda *xs: np.stack(xs), *records)  # the fix the message gives
+    np.testing.assert_array_equal(np.asarray(step.shard(stacked)["x"]), BATCH["x"])

@@ -175,21 +175,41 @@ def test_killed_anywhere_resumed_on_any_layout_is_bitwise(tmp_path, reference):
     assert_bitwise(tmp_path, reference), history
 
 
-def test_ctrl_c_under_the_launcher_saves_a_last_checkpoint(tmp_path):
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
+def test_stopping_the_launcher_saves_a_last_checkpoint(tmp_path, signum, code):
+    """Ctrl-C ends with 130; SIGTERM (a preempted allocation) with 75, the requeue code."""
     cmd, environ = launched(tmp_path)
     proc = subprocess.Popen(
         cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     wait_for_step(proc, 7)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-3000:]
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
     assert "preempted (SIGTERM); checkpoint" in err, err[-3000:]
     names = [p.name for p in (tmp_path / "ckpt").iterdir()]
     assert not [n for n in names if "tmp" in n], names  # no half-written checkpoint
     saved = max(int(n) for n in names if n.isdigit())
     printed = [int(line.split()[-1]) for line in out.splitlines() if " step " in line]
     assert saved >= max(printed), (saved, printed[-3:])
+
+
+def test_a_second_ctrl_c_kills_at_once_without_a_traceback(tmp_path):
+    cmd, environ = launched(tmp_path)
+    proc = subprocess.Popen(
+        cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_step(proc, 3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted again: killing every process now" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert time.monotonic() - start < 20, err[-3000:]
 
 
 @pytest.mark.parametrize("leave", ["sys.exit(3)", "raise RuntimeError('boom')"])

@@ -105,3 +105,70 @@ def test_fit_warns_when_every_step_is_skipped():
         jdp.fit(
             step, placed, jdp.BatchIterator(bad, 32), num_steps=20, log_every=10, progress=False
         )
+
+
+def per_device_init(seed):
+    """What ``jax.pmap(init)(keys)`` gives: a pmap-layout state whose replicas differ."""
+    keys = jax.random.split(jax.random.key(seed), 8)
+    return jax.pmap(lambda k: state(rng=k))(keys)
+
+
+def test_replicas_that_disagree_are_refused_by_the_step_and_by_fit(backend):
+    step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8)
+    match = r"the state's replicas disagree: leaf \.rng on replica 1 differs from replica 0"
+    with pytest.raises(ValueError, match=f"^jdp.{backend}: " + match):
+        step(per_device_init(0), step.shard(DATA))
+    agreed = step.replicate(state(rng=jax.random.key(0)))
+    step(agreed, step.shard(DATA))  # the first call checked; later calls cost nothing more
+    with pytest.raises(ValueError, match="^fit: " + match):
+        jdp.fit(step, per_device_init(1), [DATA], num_steps=1, progress=False)
+
+
+def test_replicas_in_agreement_pass_whatever_their_values_or_nans():
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+    nan = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), models.mlp_params())
+    placed = step.replicate(jdp.TrainState.create(params=nan, tx=optax.sgd(0.1)))
+    _, metrics = step(placed, step.shard(DATA))  # NaNs in the same places agree
+    assert np.isnan(np.asarray(metrics["loss"])).all()
+    new_model = models.backend("pmap", jdp.make_train_step(models.mlp_loss), 8)
+    placed = new_model.replicate(state())
+    one_off = jax.tree.map(lambda x: x, placed)
+    w = np.asarray(one_off.params["w1"]).copy()
+    w[5, 0, 0] += 1e-7  # one value of one replica, off by one rounding
+    one_off = one_off.replace(
+        params={**one_off.params, "w1": jax.device_put(w, one_off.params["w1"].sharding)}
+    )
+    with pytest.raises(ValueError, match=r"leaf \.params\['w1'\] on replica 5 differs"):
+        new_model(one_off, new_model.shard(DATA))
+
+
+def test_a_traced_negative_weight_makes_the_step_nan_not_a_dropped_replica():
+    def loss(params, batch):
+        per_example = jnp.sum((models.mlp_forward(params, batch) - batch["y"]) ** 2, -1)
+        sign = jnp.where(batch["x"][0, 0] > -100.0, -1.0, 1.0)  # traced: -1
+        return jdp.WeightedLoss(jnp.sum(per_example), sign * per_example.shape[0])
+
+    step = jdp.shard_map(jdp.make_train_step(loss))
+    _, metrics = step(step.replicate(state()), step.shard(DATA))
+    assert np.isnan(np.asarray(metrics["loss"])).all()
+    scaled = step.replicate(state(loss_scale=jdp.DynamicLossScale(2.0**8)))
+    new, metrics = step(scaled, step.shard(DATA))
+    assert not np.asarray(metrics["grads_finite"]).any()  # skipped, params unchanged
+    models.assert_trees_close(step.unreplicate(new).params, models.mlp_params(), rtol=0)
+
+
+def test_a_zero1_state_for_four_devices_given_to_eight_says_how_to_replace_it(backend):
+    def step_on(n):
+        return models.backend(
+            backend, jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), n
+        )
+
+    four, eight = step_on(4), step_on(8)
+    adam = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
+    placed = four.replicate(adam)
+    with pytest.raises(ValueError, match="for 4 devices but this step runs on 8|over 4 devices"):
+        eight(placed, eight.shard(DATA))
+    moved = eight.replicate(eight.unreplicate(placed))  # what the message says to do
+    new, _ = eight(moved, eight.shard(DATA))
+    reference, _ = eight(eight.replicate(adam), eight.shard(DATA))
+    models.assert_trees_close(eight.unreplicate(new), eight.unreplicate(reference), rtol=0)
