@@ -15,12 +15,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]' --config-settings editable_mode=compat
 	touch $@
 
-# ruff, the type checker (mypy, configured in pyproject.toml) and the import
-# graph (layered, no cycles: tests/import_graph.py).
+# ruff, the type checker (mypy, configured in pyproject.toml) on jdp/ and on the
+# code of docs/ and notebooks/, and the import graph (layered, no cycles:
+# tests/import_graph.py).
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(PY) tests/typecheck_examples.py
 	$(PY) tests/import_graph.py
 
 format: $(VENV)/.installed
