@@ -266,6 +266,7 @@ def test_a_model_state_of_another_structure_shape_or_dtype_is_refused(returned, 
 def test_an_nnx_loss_returning_the_module_is_told_what_to_return():
     nnx = pytest.importorskip("flax.nnx")
     import jdp.nnx
+
     model = nnx.Linear(6, 3, rngs=nnx.Rngs(0))
     graphdef, params, model_state = jdp.nnx.split(model)
 
