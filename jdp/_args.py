@@ -3,6 +3,25 @@
 import numbers
 
 
+def check_bool(value: object, name: str, *, where: str) -> bool:
+    """``value``, refused unless it is a bool (``1`` or ``"yes"`` would read as True).
+
+    Example:
+      >>> check_bool(False, "has_aux", where="make_train_step")
+      False
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {value!r}.")
+    return value
+
+
+def check_name(value: object, name: str, *, where: str) -> str:
+    """``value``, refused unless it is a non-empty string (an axis name, a metric name)."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{where}: {name} must be a non-empty string, got {value!r}.")
+    return value
+
+
 def check_int(value: object, name: str, *, minimum: int, where: str) -> int:
     """``value`` as an int, refused unless it is an int (not a bool) >= ``minimum``.
 

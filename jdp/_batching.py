@@ -20,6 +20,10 @@ DEVICE_AXIS = "devices"
 def local_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh of the pmap layout over ``devices`` (default: the local devices)."""
     devices = jax.local_devices() if devices is None else list(devices)
+    if not devices:
+        raise ValueError(
+            "devices is empty: pass at least one device (default: every local device)."
+        )
     return Mesh(np.asarray(devices), (DEVICE_AXIS,))
 
 

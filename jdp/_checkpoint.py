@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import pathlib
 import threading
 import warnings
@@ -24,7 +25,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jdp import _layout, distributed
-from jdp._args import check_int
+from jdp._args import check_bool, check_int
 from jdp._replication import place_like, refuse_consumed, replicate, unreplicate
 from jdp._state import TrainState
 from jdp._tree import PyTree, is_prng_key
@@ -77,6 +78,11 @@ class Checkpointer:
             raise ValueError(
                 f"Checkpointer: max_to_keep must be None or an int >= 1, got {max_to_keep!r}."
             )
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"Checkpointer: directory must be a path (str or pathlib.Path), got {directory!r}."
+            )
+        check_bool(async_save, "async_save", where="Checkpointer")
         self.directory = pathlib.Path(directory).expanduser().absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(

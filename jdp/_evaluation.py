@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdp._args import check_bool, check_name
 from jdp._batching import AXIS_NAME, batch_size
 from jdp._forward import check_call
 from jdp._replication import refuse_consumed
@@ -62,6 +63,8 @@ def make_eval_step(
 
     if not callable(metric_fn):
         raise TypeError(f"make_eval_step: metric_fn must be callable, got {metric_fn!r}.")
+    check_bool(has_model_state, "has_model_state", where="make_eval_step")
+    check_name(axis_name, "axis_name", where="make_eval_step")
     check_call(metric_fn, ("model_state",) * has_model_state, "make_eval_step", "metric_fn")
 
     def eval_step(state, batch):
@@ -148,6 +151,11 @@ def evaluate(
             f"(or jdp.shard_map), got {type(wrapped_eval_step).__name__} wrapping {what}."
         )
     refuse_consumed(state, "evaluate")
+    if not isinstance(batches, Iterable) or isinstance(batches, Mapping):
+        raise TypeError(
+            "evaluate: batches must be an iterable of host batches (a list, or "
+            f"jdp.BatchIterator(..., repeat=False)), got {type(batches).__name__}."
+        )
     outs = []
     for batch in batches:
         outs.append(_first_replica(wrapped_eval_step(state, wrapped_eval_step.shard(batch))))

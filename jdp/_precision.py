@@ -48,7 +48,13 @@ class Policy:
     cast_batch: BatchSelector = ()
 
     def __post_init__(self):
-        if self.compute_dtype is not None and not jnp.issubdtype(self.compute_dtype, jnp.floating):
+        try:
+            floating = self.compute_dtype is None or jnp.issubdtype(
+                self.compute_dtype, jnp.floating
+            )
+        except TypeError:  # not a dtype at all ("float8")
+            floating = False
+        if not floating:
             raise TypeError(
                 f"Policy: compute_dtype must be a floating dtype such as jnp.bfloat16, "
                 f"got {self.compute_dtype!r}."

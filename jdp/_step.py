@@ -13,6 +13,7 @@ import jax
 from jax.typing import DTypeLike
 
 from jdp import metrics as _metrics
+from jdp._args import check_bool, check_name
 from jdp._batching import AXIS_NAME, leaves_with_paths
 from jdp._forward import Forward, check_call, make_forward
 from jdp._loss_scale import NoOpLossScale
@@ -149,6 +150,10 @@ def make_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {loss_fn!r}.")
+    for flag, value in (("has_aux", has_aux), ("has_model_state", has_model_state)):
+        check_bool(value, flag, where="make_train_step")
+    check_bool(has_rng, "has_rng", where="make_train_step")
+    check_name(axis_name, "axis_name", where="make_train_step")
     unknown = sorted(set(deprecated) - set(DEPRECATED))
     if unknown:
         raise TypeError(f"make_train_step() got an unexpected keyword argument {unknown[0]!r}.")

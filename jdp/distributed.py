@@ -16,6 +16,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from jdp import _watchdog
+from jdp._args import check_int
 from jdp._devices import force_cpu_devices
 from jdp._tree import PyTree, is_prng_key
 
@@ -100,6 +101,11 @@ def initialize(
         ``timeout`` (or ``$JDP_TIMEOUT``) is not a positive number of seconds; the
         coordinator address is not ``host:port``.
     """
+    where = "jdp.distributed.initialize"
+    if num_processes is not None:
+        check_int(num_processes, "num_processes", minimum=1, where=where)
+    if process_id is not None:
+        check_int(process_id, "process_id", minimum=0, where=where)
     _check_can_initialize(jax_kwargs)
     env = os.environ
     launched = ENV_COORDINATOR in env

@@ -257,3 +257,73 @@ def test_the_launcher_keeps_an_exported_jdp_timeout(monkeypatch):
     monkeypatch.setenv("JDP_TIMEOUT", "-5")
     with pytest.raises(ValueError, match=r"^jdp.launch: \$JDP_TIMEOUT must be a positive"):
         launch._timeout(None)
+
+
+def _loss(params, batch):
+    return models.mlp_loss(params, batch)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (
+            lambda: jdp.make_train_step(_loss, has_aux="yes"),
+            TypeError,
+            "has_aux must be True or False",
+        ),
+        (lambda: jdp.make_train_step(_loss, has_rng=1), TypeError, "has_rng must be True or False"),
+        (
+            lambda: jdp.make_train_step(_loss, axis_name=3),
+            TypeError,
+            "axis_name must be a non-empty",
+        ),
+        (
+            lambda: jdp.make_eval_step(lambda p, b: {}, has_model_state="no"),
+            TypeError,
+            "^make_eval_step: has_model_state must be True or False",
+        ),
+        (lambda: jdp.Checkpointer(5), TypeError, r"^Checkpointer: directory must be a path"),
+        (
+            lambda: jdp.Checkpointer("/tmp/jdp-unused", async_save="no"),
+            TypeError,
+            "^Checkpointer: async_save must be True or False",
+        ),
+        (
+            lambda: jdp.strategies.data_parallel(communication=jnp.int8),
+            TypeError,
+            "^jdp.strategies.data_parallel: communication must be a jdp.strategies Communication",
+        ),
+        (
+            lambda: jdp.strategies.zero1(communication=jnp.bfloat16),
+            TypeError,
+            "^jdp.strategies.zero1: communication must be",
+        ),
+        (lambda: jdp.pmap(jdp.make_train_step(_loss), devices=[]), ValueError, "devices is empty"),
+        (
+            lambda: jdp.shard_map(jdp.make_train_step(_loss), devices=[]),
+            ValueError,
+            "devices is empty",
+        ),
+        (lambda: jdp.replicate({"w": jnp.ones(3)}, devices=[]), ValueError, "devices is empty"),
+        (lambda: jdp.shard({"w": np.ones((8, 3))}, devices=[]), ValueError, "devices is empty"),
+        (lambda: jdp.Policy(compute_dtype="float8"), TypeError, "^Policy: compute_dtype must be"),
+        (
+            lambda: jdp.evaluate(jdp.shard_map(jdp.make_eval_step(lambda p, b: {})), None, None),
+            TypeError,
+            "^evaluate: batches must be an iterable",
+        ),
+        (
+            lambda: jdp.distributed.initialize("127.0.0.1:1234", "2", 0),
+            TypeError,
+            r"^jdp.distributed.initialize: num_processes must be an int >= 1, got '2'",
+        ),
+        (
+            lambda: jdp.distributed.initialize("127.0.0.1:1234", 2, -1),
+            ValueError,
+            "process_id must be an int >= 0",
+        ),
+    ],
+)
+def test_arguments_of_the_wrong_kind_or_value_are_refused_by_name(build, error, match):
+    with pytest.raises(error, match=match):
+        build()

@@ -73,8 +73,15 @@ def reduce_gradients(
     return communication.all_reduce(means, axis_name)
 
 
-def check_reduce(reduce: object, accumulate_steps: object, where: str) -> None:
+def check_reduce(
+    reduce: object, accumulate_steps: object, communication: object, where: str
+) -> None:
     """Validates the options data_parallel and zero1 share."""
+    if not isinstance(communication, Communication):
+        raise TypeError(
+            f"{where}: communication must be a jdp.strategies Communication, e.g. "
+            f"jdp.strategies.cast_communication(jnp.bfloat16), got {communication!r}."
+        )
     if reduce not in GRAD_REDUCTIONS:
         raise ValueError(
             f"{where}: unknown reduce={reduce!r}; expected one of {GRAD_REDUCTIONS} ('mean': "
@@ -122,7 +129,7 @@ def data_parallel(
       >>> step.strategy.name
       'data_parallel'
     """
-    check_reduce(reduce, accumulate_steps, "jdp.strategies.data_parallel")
+    check_reduce(reduce, accumulate_steps, communication, "jdp.strategies.data_parallel")
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
         check_communication(communication, state, "data_parallel")

@@ -76,7 +76,7 @@ def zero1(
       >>> type(state.opt_state).__name__, state.opt_state.num_shards
       ('ShardedOptState', 8)
     """
-    check_reduce(reduce, accumulate_steps, "jdp.strategies.zero1")
+    check_reduce(reduce, accumulate_steps, communication, "jdp.strategies.zero1")
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
         check_communication(communication, state, "zero1")
@@ -394,7 +394,11 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
       >>> [round(float(u), 4) for u in updates["w"]]
       [0.6, 0.8]
     """
-    if isinstance(max_norm, bool) or not _positive(max_norm):
+    if isinstance(max_norm, (bool, str)):
+        raise TypeError(
+            f"jdp.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}."
+        )
+    if not _positive(max_norm):
         raise ValueError(
             f"jdp.clip_by_global_norm: max_norm must be a number > 0, got {max_norm!r}; a "
             "non-positive bound would reverse or zero every update."
