@@ -2,7 +2,7 @@
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zoo.py OUT
 
-Trains every zoo family for its few steps under both backends; process 0
+Trains the zoo families for their few steps (``zoo.ACROSS_PROCESSES``); process 0
 writes each backend's and family's final state leaves and last loss to OUT.
 """
 
@@ -40,8 +40,8 @@ def _this_process_rows(batch):
 
 def main(out):
     arrays = {}
-    for backend in ("pmap", "shard_map"):
-        for family in sorted(zoo.FAMILIES):
+    for backend, families in zoo.ACROSS_PROCESSES.items():
+        for family in families:
             final, loss = train(family, backend)
             prefix = f"{backend}/{family}"
             for path, leaf in jax.tree_util.tree_flatten_with_path(final)[0]:
