@@ -1,8 +1,10 @@
 """`make bench`: what exact mode costs on a CNN and a transformer, against the ordinary step.
 
-For the demo's CNN (global batch 128, 8x8 digits) and the model zoo's causal
+For the demo's CNN (global batch 128, 8x8 digits), the model zoo's causal
 LM (2 layers, 4 heads, d=64, 128 sequences of 16 tokens, dropout, per-token
-WeightedLoss), on n = 1 and 8 CPU devices under jdp.pmap, it times:
+WeightedLoss) and the zoo's scanned models (an LSTM + GRU over 6 steps;
+nn.remat inside nn.scan over 3 blocks; 128 examples), on n = 1 and 8 CPU
+devices under jdp.pmap, it times:
 
   ordinary  jdp.make_train_step(loss)                                  (reference)
   exact     jdp.make_train_step(loss, strategy=jdp.strategies.exact(8))
@@ -10,7 +12,7 @@ WeightedLoss), on n = 1 and 8 CPU devices under jdp.pmap, it times:
 Rounds are interleaved (ordinary, exact, ordinary, ...) so machine noise hits
 both alike; each figure is the median over rounds of the mean step time of
 ``--steps`` calls. The ratio is exact/ordinary step time (goals: <= 2 for the
-CNN, <= 1.5 for the LM). Compile time is the first call's.
+CNN, <= 1.5 for the LM and the scanned models). Compile time is the first call's.
 
 Usage: python benchmarks/exact_cost.py [--rounds 5] [--steps 20] [--json out.json]
 """
@@ -49,7 +51,22 @@ def lm():
     return make, state, zoo.lm_batches(1, size=128)[0]
 
 
-MODELS = {"CNN (demo)": cnn, "causal LM (zoo)": lm}
+def _zoo_classifier(family, module):
+    def build():
+        _, state, batches = zoo.FAMILIES[family]()
+        batch = jax.tree.map(lambda x: np.concatenate([x] * 4), batches[0])  # 128 examples
+        loss = zoo.classifier_loss(module)
+        return lambda strategy: jdp.make_train_step(loss, strategy=strategy), state, batch
+
+    return build
+
+
+MODELS = {
+    "CNN (demo)": cnn,
+    "causal LM (zoo)": lm,
+    "LSTM + GRU, scanned (zoo)": _zoo_classifier("scanned_rnn", zoo.Recurrent()),
+    "remat + scan (zoo)": _zoo_classifier("remat_scan", zoo.RematScan()),
+}
 STRATEGIES = {"ordinary": jdp.strategies.data_parallel, "exact": lambda: jdp.strategies.exact(8)}
 
 

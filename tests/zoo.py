@@ -258,7 +258,7 @@ def _classes(count, shape, classes, seed):
     ]
 
 
-def _classifier_loss(module):
+def classifier_loss(module):
     def loss_fn(params, batch):
         logits = module.apply({"params": params}, batch["x"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
@@ -288,7 +288,7 @@ def vit():
     mask = jax.tree.map(lambda x: x.ndim > 1, params)
     tx = optax.adamw(schedule, weight_decay=0.05, mask=mask)
     state = jdp.TrainState.create(params=params, tx=tx)
-    return _exact(_classifier_loss(ViT())), state, _classes(STEPS, (8, 8, 3), 5, 9)
+    return _exact(classifier_loss(ViT())), state, _classes(STEPS, (8, 8, 3), 5, 9)
 
 
 class Recurrent(nn.Module):
@@ -305,7 +305,7 @@ def scanned_rnn():
     """LSTM + GRU over 6 time steps; Adafactor."""
     params = Recurrent().init(jax.random.key(10), jnp.zeros((1, 6, 5)))["params"]
     state = jdp.TrainState.create(params=params, tx=optax.adafactor(1e-2))
-    return _exact(_classifier_loss(Recurrent())), state, _classes(STEPS, (6, 5), 4, 11)
+    return _exact(classifier_loss(Recurrent())), state, _classes(STEPS, (6, 5), 4, 11)
 
 
 class Residual(nn.Module):
@@ -333,7 +333,7 @@ def remat_scan():
     """nn.remat + nn.scan over blocks; LAMB."""
     params = RematScan().init(jax.random.key(12), jnp.zeros((1, 7)))["params"]
     state = jdp.TrainState.create(params=params, tx=optax.lamb(3e-3))
-    return _exact(_classifier_loss(RematScan())), state, _classes(STEPS, (7,), 4, 13)
+    return _exact(classifier_loss(RematScan())), state, _classes(STEPS, (7,), 4, 13)
 
 
 class UNet(nn.Module):
