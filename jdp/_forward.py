@@ -223,9 +223,9 @@ def check_call(fn: Callable[..., Any], extra: tuple[str, ...], where: str, what:
 
 def check_model_state(new: PyTree, old: PyTree, what: str) -> None:
     """The model state a loss returns has the structure, shapes and dtypes it was given."""
-    new_paths, new_def = jax.tree_util.tree_flatten_with_path(new)
-    old_paths, old_def = jax.tree_util.tree_flatten_with_path(old)
-    if _tree.structure(new) != _tree.structure(old):
+    new_paths, new_def = _tree.flatten_with_path(new)
+    old_paths, old_def = _tree.flatten_with_path(old)
+    if new_def != old_def:
         hint = ""
         if type(new).__module__.startswith("flax"):
             hint = " (an NNX loss returns jdp.nnx.state(model, model_state), not the module)"

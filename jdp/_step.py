@@ -47,6 +47,8 @@ _OWN_RULES = {
     "loss_scale": _metrics.same,
     "skipped_steps": _metrics.exact_int,
 }
+# Names a metric of the user's may not take.
+_RESERVED = frozenset(_OWN_RULES) | frozenset(ROW_KEYS)
 
 
 def make_train_step(
@@ -150,9 +152,9 @@ def make_train_step(
     """
     if not callable(loss_fn):
         raise TypeError(f"make_train_step: loss_fn must be callable, got {loss_fn!r}.")
-    for flag, value in (("has_aux", has_aux), ("has_model_state", has_model_state)):
+    flags = {"has_aux": has_aux, "has_model_state": has_model_state, "has_rng": has_rng}
+    for flag, value in flags.items():
         check_bool(value, flag, where="make_train_step")
-    check_bool(has_rng, "has_rng", where="make_train_step")
     check_name(axis_name, "axis_name", where="make_train_step")
     unknown = sorted(set(deprecated) - set(DEPRECATED))
     if unknown:
@@ -193,12 +195,11 @@ def _requested_metrics(
     if log_learning_rate is not False:
         out.append(_metrics.learning_rate(log_learning_rate))
     names = [m.name for m in out]
-    own = set(_OWN_RULES) | set(ROW_KEYS)
-    repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & own))
+    repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & _RESERVED))
     if repeated:
         raise ValueError(
             f"make_train_step: metric names {repeated} are given twice or are the step's own "
-            f"({', '.join(sorted(own))}); rename them."
+            f"({', '.join(sorted(_RESERVED))}); rename them."
         )
     return tuple(out)
 
@@ -265,8 +266,7 @@ def _build_step(
         model_state = out.model_state if has_model_state else None
         state, info = strategy.update(state, grads, model_state, axis_name)
         own = {"loss": out.loss, **info, **({} if out.weight is None else {"weight": out.weight})}
-        reserved = set(own) | set(_OWN_RULES) | set(ROW_KEYS) | {m.name for m in requested}
-        clash = sorted(set(out.aux) & reserved)
+        clash = sorted(set(out.aux) & (set(own) | _RESERVED | {m.name for m in requested}))
         if clash:
             raise ValueError(
                 f"aux keys {clash} are reserved for jdp's own metrics (or the step's metrics=, "

@@ -107,28 +107,17 @@ def initialize(
     if process_id is not None:
         check_int(process_id, "process_id", minimum=0, where=where)
     _check_can_initialize(jax_kwargs)
-    env = os.environ
-    launched = ENV_COORDINATOR in env
-    if coordinator_address is None and launched:
-        coordinator_address = env[ENV_COORDINATOR]
-        num_processes = int(env[ENV_NUM_PROCESSES]) if num_processes is None else num_processes
-        process_id = int(env[ENV_PROCESS_ID]) if process_id is None else process_id
-    elif (
-        coordinator_address is None
-        and ENV_JAX_COORDINATOR in env
-        and not _cluster_detected(jax_kwargs)  # a cluster gives the count and index itself
-    ):
-        coordinator_address, num_processes, process_id = _exported(num_processes, process_id)
-    if cpu_devices_per_process is None and ENV_CPU_DEVICES in env:
-        cpu_devices_per_process = int(env[ENV_CPU_DEVICES])
-    if cpu_devices_per_process:
-        force_cpu_devices(cpu_devices_per_process)
-    if timeout is None and ENV_TIMEOUT in env:
-        timeout = timeout_seconds(env[ENV_TIMEOUT], f"${ENV_TIMEOUT}")
-    elif timeout is not None:
-        timeout = timeout_seconds(timeout, "timeout")
+    launched = ENV_COORDINATOR in os.environ
+    coordinator_address, num_processes, process_id = _job(
+        coordinator_address, num_processes, process_id, jax_kwargs
+    )
+    timeout = _stall_timeout(timeout)
     if coordinator_address is not None:
         check_address(coordinator_address)
+    if cpu_devices_per_process is None and ENV_CPU_DEVICES in os.environ:
+        cpu_devices_per_process = int(os.environ[ENV_CPU_DEVICES])
+    if cpu_devices_per_process:
+        force_cpu_devices(cpu_devices_per_process)
     _CALLED.append(True)
     if timeout is not None:
         # The shutdown barrier outwaits the stall watchdog, so a process that
@@ -152,6 +141,33 @@ def initialize(
             **jax_kwargs,
         )
     _watchdog.install(timeout, _finish_before_exit)
+
+
+def _job(
+    address: str | None, count: int | None, index: int | None, jax_kwargs: dict[str, Any]
+) -> tuple[str | None, int | None, int | None]:
+    """The coordinator, process count and index: given, from jdp.launch, or exported."""
+    env = os.environ
+    if address is None and ENV_COORDINATOR in env:
+        count = int(env[ENV_NUM_PROCESSES]) if count is None else count
+        index = int(env[ENV_PROCESS_ID]) if index is None else index
+        return env[ENV_COORDINATOR], count, index
+    if (
+        address is None
+        and ENV_JAX_COORDINATOR in env
+        and not _cluster_detected(jax_kwargs)  # a cluster gives the count and index itself
+    ):
+        return _exported(count, index)
+    return address, count, index
+
+
+def _stall_timeout(timeout: object) -> int | None:
+    """``timeout=``, else ``$JDP_TIMEOUT``, as whole seconds (None: neither is set)."""
+    if timeout is not None:
+        return timeout_seconds(timeout, "timeout")
+    if ENV_TIMEOUT in os.environ:
+        return timeout_seconds(os.environ[ENV_TIMEOUT], f"${ENV_TIMEOUT}")
+    return None
 
 
 _OWN_OPTIONS = ("heartbeat_timeout_seconds", "shutdown_timeout_seconds")

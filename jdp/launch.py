@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from jdp._watchdog import EXIT_PREEMPTED  # what jdp.fit exits with once it saved on SIGTERM
 from jdp.distributed import (
     ENV_COORDINATOR,
     ENV_CPU_DEVICES,
@@ -39,7 +40,6 @@ from jdp.distributed import (
 )
 
 GRACE_SECONDS = 5.0
-EXIT_PREEMPTED = 75  # what jdp.fit exits with once it saved on SIGTERM: "run me again"
 PREEMPTION_GRACE = 35.0  # a little over the processes' own (jdp._watchdog): 30 s
 DEFAULT_TIMEOUT = 120
 # Gloo prints one line per rank and connection (two ranks' lines can

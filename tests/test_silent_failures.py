@@ -130,16 +130,15 @@ def test_replicas_in_agreement_pass_whatever_their_values_or_nans():
     placed = step.replicate(jdp.TrainState.create(params=nan, tx=optax.sgd(0.1)))
     _, metrics = step(placed, step.shard(DATA))  # NaNs in the same places agree
     assert np.isnan(np.asarray(metrics["loss"])).all()
-    new_model = models.backend("pmap", jdp.make_train_step(models.mlp_loss), 8)
-    placed = new_model.replicate(state())
-    one_off = jax.tree.map(lambda x: x, placed)
-    w = np.asarray(one_off.params["w1"]).copy()
-    w[5, 0, 0] += 1e-7  # one value of one replica, off by one rounding
-    one_off = one_off.replace(
-        params={**one_off.params, "w1": jax.device_put(w, one_off.params["w1"].sharding)}
+    fresh = jdp.pmap(jdp.make_train_step(models.mlp_loss))  # its first call checks again
+    placed = fresh.replicate(state())
+    w = np.asarray(placed.params["w1"]).copy()
+    w[5, 0, 0] = np.nextafter(w[5, 0, 0], np.float32(np.inf))  # one ulp, one value, one replica
+    one_off = placed.replace(
+        params={**placed.params, "w1": jax.device_put(w, placed.params["w1"].sharding)}
     )
     with pytest.raises(ValueError, match=r"leaf \.params\['w1'\] on replica 5 differs"):
-        new_model(one_off, new_model.shard(DATA))
+        fresh(one_off, fresh.shard(DATA))
 
 
 def test_a_traced_negative_weight_makes_the_step_nan_not_a_dropped_replica():

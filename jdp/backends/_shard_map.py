@@ -197,7 +197,8 @@ def shard_map(
     if devices is not None:
         if mesh is not None:
             raise ValueError("jdp.shard_map: pass mesh= or devices=, not both.")
-        if not list(devices):
+        devices = list(devices)  # once: an iterator would be empty the second time
+        if not devices:
             raise ValueError("jdp.shard_map: devices is empty; pass at least one device.")
-        mesh = Mesh(np.asarray(list(devices)), (axis_name,))
+        mesh = Mesh(np.asarray(devices), (axis_name,))
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)
