@@ -327,3 +327,8 @@ def _loss(params, batch):
 def test_arguments_of_the_wrong_kind_or_value_are_refused_by_name(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+def test_shard_map_takes_its_devices_as_any_iterable():
+    step = jdp.shard_map(jdp.make_train_step(_loss), devices=iter(jax.devices()[:2]))
+    assert step.mesh.devices.tolist() == jax.devices()[:2]
