@@ -10,7 +10,7 @@ gradients are taken. :func:`accumulate` sums micro-batches. Strategies
 import inspect
 from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +40,32 @@ class Contribution(NamedTuple):
     aux: dict[str, jax.Array]
 
 
-Forward = Callable[[TrainState, PyTree, PyTree, PyTree, "jax.Array | None"], Contribution]
-"""``(state, params, model_state, micro_batch, rng) -> Contribution``."""
+class Forward(Protocol):
+    """``(state, params, model_state, micro_batch, rng) -> Contribution``.
+
+    Keywords: ``view``, a function of the differentiated ``params`` giving
+    what the loss is called with (a strategy that splits the parameters
+    gathers them there; by default the params themselves), and
+    ``zero_weightless``, whether a replica of weight 0 contributes exact
+    zeros (True; a strategy whose gradients are already summed over replicas
+    when the forward returns passes False).
+    """
+
+    def __call__(
+        self,
+        state: TrainState,
+        params: PyTree,
+        model_state: PyTree,
+        batch: PyTree,
+        rng: "jax.Array | None",
+        /,
+        view: Callable[[PyTree], PyTree] = ...,
+        zero_weightless: bool = ...,
+    ) -> Contribution: ...
+
+
+def _same(params: PyTree) -> PyTree:
+    return params
 
 
 def replica_rng(key: jax.Array, step: jax.Array, axis_name: str = AXIS_NAME) -> jax.Array:
@@ -57,14 +81,16 @@ def make_forward(
 ) -> Forward:
     """``(state, params, model_state, batch, rng) -> Contribution`` for one (micro-)batch."""
 
-    def forward(state, params, model_state, batch, rng) -> Contribution:
+    def forward(
+        state, params, model_state, batch, rng, view=_same, zero_weightless=True
+    ) -> Contribution:
         def scaled_loss(p):
             extra = {}
             if has_model_state:
                 extra["model_state"] = model_state
             if has_rng:
                 extra["rng"] = rng
-            out = loss_fn(policy.cast_params(p), policy.cast_batch_leaves(batch), **extra)
+            out = loss_fn(policy.cast_params(view(p)), policy.cast_batch_leaves(batch), **extra)
             loss, new_model_state, aux = _unpack(out, has_aux, has_model_state)
             if has_model_state:
                 check_model_state(new_model_state, model_state, "loss_fn")
@@ -79,9 +105,9 @@ def make_forward(
             scaled_loss, has_aux=True
         )(params)
         aux = {k: jnp.asarray(v).astype(jnp.float32) for k, v in aux.items()}
-        return Contribution(
-            zero_where_weightless(grads, weight), total, weight, new_model_state, aux
-        )
+        if zero_weightless:
+            grads = zero_where_weightless(grads, weight)
+        return Contribution(grads, total, weight, new_model_state, aux)
 
     return forward
 
@@ -93,13 +119,16 @@ def accumulate(
     rng: jax.Array | None,
     steps: int,
     axis_name: str = AXIS_NAME,
+    probe: Forward | None = None,
 ) -> Contribution:
     """This replica's contribution, summed over ``steps`` micro-batches.
 
     A weighted loss sums totals, gradients and weighted aux over micro-batches
     (a micro-batch of weight 0 leaves the model state alone); a plain loss
     averages them. A loss with a collective over ``axis_name`` is refused
-    (each micro-batch's collective would see only that micro-batch).
+    (each micro-batch's collective would see only that micro-batch); the
+    loss is traced for that through ``probe`` (default ``forward``), which a
+    strategy whose forward has collectives of its own gives without them.
     """
     params, model_state = state.params, state.model_state
     if steps == 1:
@@ -129,8 +158,9 @@ def accumulate(
         return carry, None
 
     first_micro = jax.tree.map(lambda x: x[0], micro)
+    traced = forward if probe is None else probe
     first = shape_refusing_collectives(
-        lambda b: forward(state, params, model_state, b, rng),
+        lambda b: traced(state, params, model_state, b, rng),
         (first_micro,),
         axis_name,
         partial(_accumulation_refusal, steps=steps, axis_name=axis_name),
