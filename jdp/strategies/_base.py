@@ -148,13 +148,18 @@ def plain_norm(grads: PyTree, params: PyTree, axis_name: str) -> jax.Array:
     return optax.tree.norm(grads)
 
 
-def refuse_per_replica(state: TrainState, name: str) -> None:
-    """Refuses a state placed per replica by another strategy (e.g. zero1's split)."""
-    if _layout.has_per_replica(state):
+def refuse_per_replica(state: TrainState, name: str, where: str = "state") -> None:
+    """Refuses a state placed per replica by another strategy (e.g. zero1's split).
+
+    ``where`` is ``"state"`` (any of it) or ``"params"`` (the parameters only,
+    for strategies that split the optimizer state themselves).
+    """
+    tree = state.params if where == "params" else state
+    if _layout.has_per_replica(tree):
         raise TypeError(
-            "The state holds values placed per replica by another strategy (an optimizer "
-            f"state split by jdp.strategies.zero1()), but this step's strategy, "
-            f"jdp.strategies.{name}(), holds the whole state on every replica. Re-place it: "
+            f"The {where} holds values placed per replica by another strategy (split by "
+            "jdp.strategies.zero1() or fsdp()), but this step's strategy, "
+            f"jdp.strategies.{name}(), holds the whole {where} on every replica. Re-place it: "
             "state = step.replicate(sharded_step.unreplicate(state)), or build this step with "
             "the strategy that placed it."
         )

@@ -17,6 +17,7 @@ from jdp.strategies._base import (
     Strategy,
     check_communication,
     plain_norm,
+    refuse_per_replica,
     replicate_state,
     whole_state_update,
 )
@@ -91,11 +92,16 @@ def check_reduce(
 
 
 def local_contribution(
-    forward: Forward, state: TrainState, batch: PyTree, axis_name: str, accumulate_steps: int
+    forward: Forward,
+    state: TrainState,
+    batch: PyTree,
+    axis_name: str,
+    accumulate_steps: int,
+    probe: Forward | None = None,
 ) -> Contribution:
     """This replica's contribution, with its own key per replica and step."""
     rng = None if state.rng is None else replica_rng(state.rng, state.step, axis_name)
-    return accumulate(forward, state, batch, rng, accumulate_steps, axis_name)
+    return accumulate(forward, state, batch, rng, accumulate_steps, axis_name, probe)
 
 
 def reduced(local: Contribution, grads: PyTree, axis_name: str) -> Reduced:
@@ -132,6 +138,7 @@ def data_parallel(
     check_reduce(reduce, accumulate_steps, communication, "jdp.strategies.data_parallel")
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        refuse_per_replica(state, "data_parallel", "params")
         check_communication(communication, state, "data_parallel")
         local = local_contribution(forward, state, batch, axis_name, accumulate_steps)
         grads = reduce_gradients(

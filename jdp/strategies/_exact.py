@@ -34,6 +34,7 @@ from jdp.strategies._base import (
     Reduced,
     Strategy,
     plain_norm,
+    refuse_per_replica,
     replicate_state,
     whole_state_update,
 )
@@ -59,6 +60,7 @@ def exact(virtual_replicas: int) -> Strategy:
     check_virtual_replicas(virtual_replicas)
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        refuse_per_replica(state, "exact", "params")
         rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
         return exact_gradients(forward, state, batch, rng, virtual_replicas, axis_name)
 

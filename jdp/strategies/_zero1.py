@@ -44,7 +44,14 @@ from jdp._tree import PyTree
 from jdp._update import apply_gradients
 from jdp._weighting import safe_divide
 from jdp.distributed import from_process0
-from jdp.strategies._base import PSUM, Communication, Reduced, Strategy, check_communication
+from jdp.strategies._base import (
+    PSUM,
+    Communication,
+    Reduced,
+    Strategy,
+    check_communication,
+    refuse_per_replica,
+)
 from jdp.strategies._data_parallel import check_reduce, local_contribution, reduced
 from jdp.strategies._elementwise import check_elementwise
 
@@ -79,6 +86,7 @@ def zero1(
     check_reduce(reduce, accumulate_steps, communication, "jdp.strategies.zero1")
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
+        refuse_per_replica(state, "zero1", "params")
         check_communication(communication, state, "zero1")
         local = local_contribution(forward, state, batch, axis_name, accumulate_steps)
         grads = reduce_scatter_gradients(
@@ -137,7 +145,8 @@ class ShardedOptState:
             if shape
         )
         placement = Placement(replicate, _layout.rows_like(row, self.num_shards), self.num_shards)
-        return _split(value, self.logical_shapes, placement)
+        split = _split(value, self.logical_shapes, placement)
+        return type(self)(split.shards, split.logical_shapes, split.num_shards)
 
 
 def is_sharded_param(shape: tuple[int, ...], n: int) -> bool:
@@ -334,31 +343,44 @@ def sharded_norm(tree: PyTree, params: PyTree, axis_name: str) -> jax.Array:
     return jnp.sqrt(total)
 
 
-def apply_sharded(
-    state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """:func:`jdp.apply_gradients` on this replica's slices; the new params all-gathered."""
-    n = lax.axis_size(axis_name)
-    sharded = state.opt_state
+def check_sharded(sharded: object, n: int, name: str) -> None:
+    """The state holds a value split by a sharded strategy, ``n`` ways."""
     if not isinstance(sharded, ShardedOptState):
         raise TypeError(
-            "A jdp.strategies.zero1() step needs the optimizer state split over the devices, "
-            f"got a {type(sharded).__name__}. Place the state with the wrapped step: state = "
+            f"A jdp.strategies.{name}() step needs the state split over the devices, got "
+            f"a {type(sharded).__name__}. Place the state with the wrapped step: state = "
             "step.replicate(jdp.TrainState.create(...)). If that step is a plain function "
-            "around the zero1 step (an EMA or metric wrapper), the backend could not see the "
+            f"around the {name} step (an EMA or metric wrapper), the backend could not see the "
             "strategy: decorate the wrapper with @jdp.wraps(train_step)."
         )
     if sharded.num_shards != n:
         raise ValueError(
-            f"The optimizer state is split {sharded.num_shards} ways but the step runs on {n} "
+            f"The state is split {sharded.num_shards} ways but the step runs on {n} "
             "devices. Re-place it: state = step.replicate(other_step.unreplicate(state)), or "
             "restore a checkpoint (checkpoints hold the whole state)."
         )
-    slices = param_slices(state.params, lax.axis_index(axis_name), n)
+
+
+def update_slices(
+    state: TrainState,
+    slices: PyTree,
+    like: PyTree,
+    grads: PyTree,
+    model_state: PyTree,
+    axis_name: str,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """:func:`jdp.apply_gradients` on this replica's parameter slices and optimizer rows.
+
+    ``like`` holds the whole parameters' shapes (arrays or shape structs).
+    The returned state's params are the new slices and its optimizer state
+    the new rows (unwrapped).
+    """
+    n = lax.axis_size(axis_name)
+    sharded = state.opt_state
     view = state.replace(params=slices, opt_state=sharded.shards)
-    norm = partial(sharded_norm, params=state.params, axis_name=axis_name)
+    norm = partial(sharded_norm, params=like, axis_name=axis_name)
     tx = optax.with_extra_args_support(state.tx)
-    split = [is_sharded_param(x.shape, n) for x in jax.tree.leaves(state.params)]
+    split = [is_sharded_param(x.shape, n) for x in jax.tree.leaves(like)]
     rows = [shape is not None for shape in sharded.logical_shapes]
     check_elementwise(
         lambda g, s, p: tx.update(g, s, p, global_norm=norm),
@@ -367,12 +389,22 @@ def apply_sharded(
         sharded.shards,
         slices,
     )
-    new, info = apply_gradients(
+    return apply_gradients(
         view, grads, model_state=model_state, axis_name=axis_name, global_norm=norm
     )
+
+
+def apply_sharded(
+    state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """:func:`jdp.apply_gradients` on this replica's slices; the new params all-gathered."""
+    n = lax.axis_size(axis_name)
+    check_sharded(state.opt_state, n, "zero1")
+    slices = param_slices(state.params, lax.axis_index(axis_name), n)
+    new, info = update_slices(state, slices, state.params, grads, model_state, axis_name)
     return new.replace(
         params=gather_params(new.params, state.params, axis_name),
-        opt_state=ShardedOptState(new.opt_state, sharded.logical_shapes, n),
+        opt_state=ShardedOptState(new.opt_state, state.opt_state.logical_shapes, n),
     ), info
 
 
