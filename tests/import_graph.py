@@ -26,6 +26,7 @@ LAYERS = [
         "jdp.strategies._data_parallel",
         "jdp.strategies._exact",
         "jdp.strategies._zero1",
+        "jdp.strategies._fsdp",
         "jdp.strategies",
     ],
     ["jdp._steps", "jdp._step"],

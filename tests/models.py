@@ -192,3 +192,64 @@ def run_killable(cmd, env, kill_after=None, timeout=120):
             proc.wait(timeout=timeout)
         stderr.seek(0)
         return proc.returncode, lines, stderr.read()
+
+
+def lm_params(layers=2, d=16, vocab=32, seq=8, seed=0):
+    """A decoder-only transformer LM in plain JAX: a list of blocks between embeddings."""
+    r = np.random.RandomState(seed)
+
+    def dense(a, b):
+        return jnp.asarray(r.randn(a, b) / np.sqrt(a), jnp.float32)
+
+    block = lambda: {  # noqa: E731
+        "ln": jnp.ones(d, jnp.float32),
+        "qkv": dense(d, 3 * d),
+        "out": dense(d, d),
+        "up": dense(d, 4 * d),
+        "down": dense(4 * d, d),
+    }
+    return {
+        "embed": dense(vocab, d),
+        "pos": jnp.asarray(r.randn(seq, d) * 0.02, jnp.float32),
+        "blocks": [block() for _ in range(layers)],
+        "head": dense(d, vocab),
+    }
+
+
+def _norm(x, scale):
+    x = x - jnp.mean(x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(jnp.mean(x**2, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def lm_block(p, x):
+    """One pre-norm block: causal self-attention (2 heads) and an MLP."""
+    length, d = x.shape[-2], x.shape[-1]
+    q, k, v = jnp.split(_norm(x, p["ln"]) @ p["qkv"], 3, axis=-1)
+    heads = lambda t: t.reshape(*t.shape[:-1], 2, d // 2).swapaxes(-2, -3)  # noqa: E731
+    logits = heads(q) @ heads(k).swapaxes(-1, -2) / np.sqrt(d // 2)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    attn = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1) @ heads(v)
+    x = x + attn.swapaxes(-2, -3).reshape(x.shape) @ p["out"]
+    return x + jax.nn.gelu(_norm(x, p["ln"]) @ p["up"]) @ p["down"]
+
+
+def lm_loss(params, batch):
+    """Next-token cross-entropy; each block runs through jdp.strategies.layer."""
+    import jdp  # the models module is imported before jdp in some scripts
+
+    tokens = batch["tokens"]
+    x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[1] - 1]
+    for block in params["blocks"]:
+        x = jdp.strategies.layer(lm_block)(block, x)
+    logits = x @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def lm_batch(size, seed=3, vocab=32, seq=8):
+    r = np.random.RandomState(seed)
+    return {"tokens": r.randint(0, vocab, (size, seq + 1)).astype(np.int32)}
+
+
+def in_blocks(path):
+    """``fsdp(layers=...)`` for :func:`lm_params`: the blocks gather themselves."""
+    return path.startswith("['blocks']")

@@ -1,6 +1,6 @@
-"""strategies.zero1() across processes, for tests/test_zero1.py.
+"""strategies.zero1() (or fsdp()) across processes, for tests/test_zero1.py and test_fsdp.py.
 
-python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT
+python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT [STRATEGY]
 
 10 Adam steps with the optimizer state split over every process's devices, a
 checkpoint (the whole state, gathered from every process's slices), a restore
@@ -22,9 +22,10 @@ import jdp  # noqa: E402
 from tests import models, test_zero1  # noqa: E402
 
 
-def main(out, backend, directory):
+def main(out, backend, directory, strategy="zero1"):
     wrap = jdp.pmap if backend == "pmap" else jdp.shard_map
-    step = wrap(jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()))
+    chosen = getattr(jdp.strategies, strategy)()
+    step = wrap(jdp.make_train_step(models.mlp_loss, strategy=chosen))
     fresh = jdp.TrainState.create(params=test_zero1.PARAMS, tx=optax.adam(1e-2))
     state = step.replicate(fresh)
     data = jdp.BatchIterator(models.regression_batch(512, seed=7), 64, seed=0)
@@ -45,4 +46,4 @@ def main(out, backend, directory):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(*sys.argv[1:])
