@@ -38,13 +38,14 @@ demo: $(VENV)/.installed
 	$(PY) -m jdp.demo
 
 # The step against a hand-written one; per-call cost on a tiny model; per-device memory of the sharded
-# optimizer; end to end (fit vs a hand loop, compile time and cache); then
+# optimizer; data_parallel, zero1 and fsdp on a 12-layer LM; end to end (fit vs a hand loop, compile time and cache); then
 # PyTorch DDP when torch is installed ($(PY) -m pip install torch==2.13.0;
 # skipped otherwise).
 bench: $(VENV)/.installed
 	$(PY) benchmarks/run.py
 	$(PY) benchmarks/per_call.py
 	$(PY) benchmarks/memory.py
+	$(PY) benchmarks/sharded.py
 	$(PY) benchmarks/end_to_end.py --first-step
 	$(PY) benchmarks/torch_ddp.py
 	$(PY) benchmarks/exact_cost.py

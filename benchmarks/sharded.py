@@ -1,0 +1,157 @@
+"""data_parallel, zero1 and fsdp on a 12-layer transformer LM: memory, collective bytes, step time.
+
+A plain-JAX decoder LM (12 blocks, d = 256, vocab 512, 32 tokens; about 9.7M
+float32 parameters) with Adam, global batch 16, under jdp.shard_map on
+n = 2, 4, 8 CPU devices. fsdp gathers block by block
+(``fsdp(layers=...)`` with ``jdp.strategies.layer`` around each block). Per
+device, for each strategy:
+
+  state MiB      the placed training state (device 0's shards)
+  ideal MiB      (params + grads + Adam's moments) / n: the floor a fully
+                 sharded state can reach (16P / n bytes)
+  peak MiB       XLA's compiled estimate: arguments + outputs + temporaries -
+                 donated aliases
+  sent / ring    bytes each device sends per step in the compiled HLO's
+                 collectives (ring algorithms: an all-reduce of B bytes sends
+                 2(n-1)/n B, an all-gather producing B sends (n-1)/n B, a
+                 reduce-scatter of B sends (n-1)/n B), over the ring
+                 all-reduce bound 2(n-1)/n x the gradient bytes
+  step ms        median over repeats of the mean of timed steps
+
+Usage: python benchmarks/sharded.py [--json out.json] [--repeats 3]
+"""
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+import jdp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MiB = 2**20
+# One instruction per line; a tuple result's type may hold /*index=5*/ comments.
+_OP = re.compile(r"^\s*\S+ = (.*?) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", re.M)
+_SHAPE = re.compile(r"(f32|bf16|f16|s32|u32|pred)\[([0-9,]*)\]")
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
+
+
+def result_bytes(types: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(types):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * _BYTES[dtype]
+    return total
+
+
+def sent_bytes(hlo: str, n: int) -> float:
+    """Bytes one device sends per step under ring algorithms, from the compiled HLO."""
+    sent = 0.0
+    for types, op in _OP.findall(hlo):
+        b = result_bytes(types)
+        if op == "all-reduce":
+            sent += 2 * (n - 1) / n * b
+        elif op == "all-gather":
+            sent += (n - 1) / n * b
+        else:  # reduce-scatter: the result is 1/n of the input
+            sent += (n - 1) * b
+    return sent
+
+
+def strategies():
+    from tests import models
+
+    return {
+        "data_parallel": jdp.strategies.data_parallel(),
+        "zero1": jdp.strategies.zero1(),
+        "fsdp": jdp.strategies.fsdp(layers=models.in_blocks),
+    }
+
+
+def measure(n: int, name: str, strategy, repeats: int) -> dict:
+    import numpy as np
+    import optax
+
+    from tests import models
+
+    params = models.lm_params(layers=12, d=256, vocab=512, seq=32)
+    batch = models.lm_batch(16, vocab=512, seq=32)
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
+    step = jdp.shard_map(jdp.make_train_step(models.lm_loss, strategy=strategy), mesh=mesh)
+    state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
+    sharded = step.shard(batch)
+    start = time.perf_counter()
+    compiled = step.lower(state, sharded).compile()
+    compile_s = time.perf_counter() - start
+    m = compiled.memory_analysis()
+    count = sum(x.size for x in jax.tree.leaves(params))
+    times = []
+    for _ in range(repeats):
+        state, metrics = step(state, sharded)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(3):
+            state, metrics = step(state, sharded)
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - start) / 3)
+    ring = 2 * (n - 1) / n * 4 * count
+    return {
+        "n": n,
+        "strategy": name,
+        "parameters": count,
+        "state_mib": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state)) / MiB,
+        "ideal_mib": 16 * count / n / MiB,
+        "peak_mib": (
+            m.argument_size_in_bytes
+            + m.output_size_in_bytes
+            + m.temp_size_in_bytes
+            - m.alias_size_in_bytes
+        )
+        / MiB,
+        "sent_over_ring": sent_bytes(compiled.as_text(), n) / ring,
+        "compile_s": compile_s,
+        "step_ms": 1e3 * statistics.median(times),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    jdp.force_cpu_devices(8)
+    rows = [
+        measure(n, name, s, args.repeats) for n in (2, 4, 8) for name, s in strategies().items()
+    ]
+    print(
+        f"\nsharded strategies, 12-layer LM ({rows[0]['parameters'] / 1e6:.1f}M float32 "
+        f"parameters), Adam, shard_map; jax {jax.__version__}"
+    )
+    print(
+        f"{'n':>2} {'strategy':>13} {'state MiB':>9} {'ideal MiB':>9} {'state/ideal':>11}"
+        f" {'peak MiB':>8} {'peak/dp':>7} {'sent/ring':>9} {'compile s':>9} {'step ms':>8}"
+        f" {'step/dp':>7}"
+    )
+    for r in rows:
+        dp = next(x for x in rows if x["n"] == r["n"] and x["strategy"] == "data_parallel")
+        print(
+            f"{r['n']:>2} {r['strategy']:>13} {r['state_mib']:>9.1f} {r['ideal_mib']:>9.1f}"
+            f" {r['state_mib'] / r['ideal_mib']:>11.3f} {r['peak_mib']:>8.1f}"
+            f" {r['peak_mib'] / dp['peak_mib']:>7.3f} {r['sent_over_ring']:>9.3f}"
+            f" {r['compile_s']:>9.2f} {r['step_ms']:>8.1f} {r['step_ms'] / dp['step_ms']:>7.3f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
