@@ -253,3 +253,13 @@ def lm_batch(size, seed=3, vocab=32, seq=8):
 def in_blocks(path):
     """``fsdp(layers=...)`` for :func:`lm_params`: the blocks gather themselves."""
     return path.startswith("['blocks']")
+
+
+def compiled_peak(memory) -> int:
+    """XLA's compiled per-device estimate: arguments + outputs + temporaries - donated aliases."""
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+    )

@@ -120,20 +120,15 @@ def test_compiled_peak_per_device_for_a_ten_million_parameter_adam_step():
         )
         state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
         m = step.lower(state, step.shard(batch)).compile().memory_analysis()
-        peaks[shard] = (
-            m.argument_size_in_bytes
-            + m.output_size_in_bytes
-            + m.temp_size_in_bytes
-            - m.alias_size_in_bytes
-        )
+        peaks[shard] = models.compiled_peak(m)
         del state
     assert peaks[True] <= 0.7 * peaks[False], peaks
 
 
-def test_a_skipped_step_leaves_the_sharded_state_bit_for_bit_unchanged(backend):
-    step = models.backend(
-        backend, jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), 4
-    )
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_a_skipped_step_leaves_the_sharded_state_bit_for_bit_unchanged(strategy, backend):
+    chosen = getattr(jdp.strategies, strategy)()
+    step = models.backend(backend, jdp.make_train_step(models.mlp_loss, strategy=chosen), 4)
     state = step.replicate(
         jdp.TrainState.create(
             params=PARAMS, tx=optax.adam(1e-2), loss_scale=jdp.DynamicLossScale(2.0**15)
@@ -157,20 +152,19 @@ def test_a_skipped_step_leaves_the_sharded_state_bit_for_bit_unchanged(backend):
     assert float(after.loss_scale.loss_scale) == float(before.loss_scale.loss_scale) / 2
 
 
-def test_composes_with_model_state_rng_accumulation_and_weighted_losses(backend):
+@pytest.mark.parametrize("sharded", ["zero1", "fsdp"])
+def test_composes_with_model_state_rng_accumulation_and_weighted_losses(sharded, backend):
     variables = models.classifier_variables()
     data = [models.classification_batch(64, seed=600 + i) for i in range(8)]
 
-    def run(shard):
+    def run(name):
         step = models.backend(
             backend,
             jdp.make_train_step(
                 models.classifier_train_loss,
                 has_model_state=True,
                 has_rng=True,
-                strategy=(jdp.strategies.zero1 if shard else jdp.strategies.data_parallel)(
-                    accumulate_steps=2
-                ),
+                strategy=getattr(jdp.strategies, name)(accumulate_steps=2),
                 log_grad_norm=True,
             ),
             4,
@@ -185,9 +179,14 @@ def test_composes_with_model_state_rng_accumulation_and_weighted_losses(backend)
         )
         for batch in data:
             state, metrics = step(state, step.shard(batch))
-        return step.unreplicate(state), metrics
+        return jax.device_get(step.unreplicate(state)), metrics
 
-    (expected, em), (actual, am) = run(False), run(True)
+    (expected, em), (actual, am) = run("data_parallel"), run(sharded)
+    # The bias before the batch norm has a gradient of zero in exact arithmetic:
+    # it holds rounding residue (|values| < 1e-8), which another summation order
+    # (fsdp's reduce-scatter in the backward) leaves different. Other leaves: rtol 1e-6.
+    bias = actual.params["Dense_0"].pop("bias"), expected.params["Dense_0"].pop("bias")
+    np.testing.assert_allclose(*bias, rtol=0, atol=1e-8)
     assert_close(actual.params, expected.params)
     assert_close(actual.model_state, expected.model_state)
     np.testing.assert_allclose(am["grad_norm"], em["grad_norm"], rtol=1e-6)
@@ -199,9 +198,18 @@ def test_composes_with_model_state_rng_accumulation_and_weighted_losses(backend)
     masked = [dict(b, mask=(np.arange(32) % 3 != 0)) for b in DATA[:10]]
     for b in masked[:2]:
         b["mask"][:8] = False  # replica 0 of 4 holds no real example in these batches
-    expected, _ = train(optax.adam(1e-2), False, backend, 4, data=masked, loss=token_loss)
-    actual, _ = train(optax.adam(1e-2), True, backend, 4, data=masked, loss=token_loss)
-    assert_close(actual.params, expected.params)
+    out = {}
+    for name in ("data_parallel", sharded):
+        step = models.backend(
+            backend,
+            jdp.make_train_step(token_loss, strategy=getattr(jdp.strategies, name)()),
+            4,
+        )
+        state = step.replicate(jdp.TrainState.create(params=PARAMS, tx=optax.adam(1e-2)))
+        for batch in masked:
+            state, _ = step(state, step.shard(batch))
+        out[name] = step.unreplicate(state).params
+    assert_close(out[sharded], out["data_parallel"])
 
 
 def test_transforms_that_reduce_over_a_slice_are_refused():
