@@ -49,6 +49,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/end_to_end.py --first-step
 	$(PY) benchmarks/torch_ddp.py
 	$(PY) benchmarks/exact_cost.py
+	$(PY) benchmarks/audit.py
 
 clean:
 	rm -rf $(VENV) out bench-results

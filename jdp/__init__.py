@@ -1,6 +1,7 @@
 """jdp: synchronous data-parallel training for JAX."""
 
 from jdp import backends, distributed, metrics, strategies
+from jdp._audit import Audit, ReplicaMismatchError
 from jdp._batching import pad_batch, shard, unshard
 from jdp._checkpoint import Checkpointer, CheckpointError
 from jdp._data import BatchIterator, prefetch_to_device
@@ -39,6 +40,7 @@ from jdp.strategies._zero1 import ShardedOptState, clip_by_global_norm
 from jdp.testing import check_exact
 
 __all__ = [
+    "Audit",
     "BatchIterator",
     "CheckpointError",
     "Checkpointer",
@@ -50,6 +52,7 @@ __all__ = [
     "PmapStep",
     "Policy",
     "PyTree",
+    "ReplicaMismatchError",
     "ShardMapStep",
     "ShardedOptState",
     "StaticLossScale",

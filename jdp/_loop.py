@@ -132,11 +132,15 @@ def fit(
                 _evaluate(eval_step, eval_data, state, step, rows)
             if checkpointer is not None:
                 saved = _due(step, num_steps, checkpoint_every)
+                preempted = _watchdog.preemption_agreed(step)
+                if saved or preempted:
+                    _check_audit(train_step)  # a state whose replicas disagree is never saved
                 if saved:
                     _save(checkpointer, step, state, position, history, rows)
-                if _watchdog.preemption_agreed(step):
+                if preempted:
                     _preempted(checkpointer, step, state, position, history, rows, saved)
         rows.flush()
+        _check_audit(train_step)
     if checkpointer is not None:
         checkpointer.wait_until_finished()
     return state, history
@@ -181,6 +185,13 @@ def _save(checkpointer: Checkpointer, step: int, state, position, history: Histo
     extra = {"data": position, "history": dataclasses.asdict(history)}
     _watchdog.set_phase("a checkpoint save", step)
     checkpointer.save(step, state, extra=extra)
+
+
+def _check_audit(train_step) -> None:
+    """The replica audit of the step just run, now (a backend's step built with ``audit=``)."""
+    check = getattr(train_step, "check_audit", None)
+    if check is not None:
+        check()
 
 
 def _next(batches, step: int, num_steps: int):

@@ -14,6 +14,7 @@ from jax.typing import DTypeLike
 
 from jdp import metrics as _metrics
 from jdp._args import check_bool, check_name
+from jdp._audit import Audit
 from jdp._batching import AXIS_NAME, leaves_with_paths
 from jdp._forward import Forward, check_call, make_forward
 from jdp._loss_scale import NoOpLossScale
@@ -63,6 +64,7 @@ def make_train_step(
     metrics: Sequence[Metric] = (),
     log_grad_norm: bool = False,
     log_learning_rate: bool | Callable[[jax.Array], jax.Array] = False,
+    audit: Audit | None = None,
     **deprecated: Any,
 ) -> TrainStep:
     """Builds a pure per-replica step ``(state, batch) -> (state, metrics)``.
@@ -127,6 +129,11 @@ def make_train_step(
         ``optax.inject_hyperparams`` state; an optax schedule (the one given
         to the optimizer) is evaluated at the optimizer's own count, which
         skipped steps do not advance.
+      audit: a :class:`jdp.Audit`: every ``audit.every`` steps, check on
+        device that every replica holds bitwise the same new state (one
+        small collective), and raise, warn or end the job if not, naming
+        the step, the replica, its device and the first leaf that differs
+        (``docs/audit.md``). Off by default.
       **deprecated: ``grad_reduce``, ``accumulate_steps``,
         ``virtual_replicas`` and ``shard_optimizer``, deprecated in 0.1.0 and
         removed in 0.2.0 (:data:`DEPRECATED` names each one's strategy).
@@ -136,7 +143,7 @@ def make_train_step(
       float32), ``weight`` (with a ``WeightedLoss``) and the aux entries; with
       a static or dynamic loss scale also ``grads_finite``, ``loss_scale`` (the
       scale this step used) and ``skipped_steps``; with exact mode also
-      ``virtual_replica_loss``.
+      ``virtual_replica_loss``; with ``audit``, ``audit``.
 
     Example:
       >>> import jax.numpy as jnp, numpy as np, optax, jdp
@@ -160,22 +167,29 @@ def make_train_step(
     if unknown:
         raise TypeError(f"make_train_step() got an unexpected keyword argument {unknown[0]!r}.")
     strategy = _strategy(strategy, {k: v for k, v in deprecated.items() if v is not None})
-    requested = _requested_metrics(metrics, log_grad_norm, log_learning_rate)
+    if audit is not None and not isinstance(audit, Audit):
+        raise TypeError(
+            f"make_train_step: audit must be a jdp.Audit, e.g. audit=jdp.Audit(every=100), "
+            f"or None, got {audit!r:.80}."
+        )
+    extra_metrics = () if audit is None else (audit.metric(),)
+    requested = _requested_metrics(metrics, log_grad_norm, log_learning_rate, extra_metrics)
     policy = as_policy(precision)
     extra = ("model_state",) * has_model_state + ("rng",) * has_rng
     check_call(loss_fn, extra, "make_train_step", "loss_fn")
     forward = make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
     fn = _build_step(forward, strategy, axis_name, has_model_state, has_rng, requested, policy)
     rules = {**_OWN_RULES, **dict(strategy.metric_rules), **{m.name: m.rule for m in requested}}
-    return TrainStep(fn, axis_name, strategy, tuple(rules.items()))
+    return TrainStep(fn, axis_name, strategy, tuple(rules.items()), audit)
 
 
 def _requested_metrics(
     metrics: Sequence[Metric],
     log_grad_norm: bool,
     log_learning_rate: bool | Callable[[jax.Array], jax.Array],
+    own: tuple[Metric, ...],
 ) -> tuple[Metric, ...]:
-    """``metrics``, with the two flags as their Metric values, checked once."""
+    """``metrics``, with the two flags and the step's ``own`` as Metric values, checked once."""
     if isinstance(metrics, Metric) or not isinstance(metrics, Sequence):
         raise TypeError(
             "make_train_step: metrics must be a list of jdp.metrics.Metric values, e.g. "
@@ -194,6 +208,7 @@ def _requested_metrics(
         out.append(_metrics.grad_norm())
     if log_learning_rate is not False:
         out.append(_metrics.learning_rate(log_learning_rate))
+    out.extend(own)
     names = [m.name for m in out]
     repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & _RESERVED))
     if repeated:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, TypeVar
 
 import jax
 
+from jdp._audit import Audit
 from jdp._batching import AXIS_NAME
 from jdp._layout import Placement
 from jdp._state import TrainState
@@ -39,12 +40,14 @@ class TrainStep:
       metric_rules: ``(name, rule)`` for each metric it returns
         (:mod:`jdp.metrics`): how ``jdp.fit`` combines replicas' values.
         Metrics without a rule (a wrapper's own) weigh by the step's weight.
+      audit: the replica-agreement check the backend runs (:class:`jdp.Audit`), or None.
     """
 
     fn: StepFn
     axis_name: str = AXIS_NAME
     strategy: Strategy = dataclasses.field(default_factory=data_parallel)
     metric_rules: tuple[tuple[str, Rule], ...] = ()
+    audit: Audit | None = None
     returns_state: ClassVar[bool] = True
 
     def __call__(self, state: Any, batch: PyTree) -> Any:

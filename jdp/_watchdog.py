@@ -186,6 +186,23 @@ def exit_preempted(step: int, where: str) -> None:
     )
 
 
+def end_job(message: str) -> None:
+    """Ends this process, and so the job, through the fail-fast path, naming why.
+
+    The other processes' next collective fails and they exit too, naming this
+    one; in-flight checkpoint saves finish first (bounded). Exit status 1, so
+    ``jdp.launch --max-restarts`` or the scheduler restarts the job.
+    """
+    job = _JOB
+    if job is None:  # no jdp.distributed.initialize: one process, nothing to tell
+        sys.stderr.write(f"[jdp] {message}\n")
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
+    report = f"{job.who()} ended the job in {job.doing()}: {message}"
+    job.publish("failed", report)
+    job.exit(EXIT_FAILED, report)
+
+
 def _finishing(before_exit: Callable[[float], None]) -> Callable[..., None]:
     """One process: an uncaught exception still finishes in-flight checkpoint saves."""
 

@@ -1,4 +1,9 @@
-"""Harnesses for checking jdp's guarantees on your own model and machine."""
+"""Harnesses for checking jdp's guarantees on your own model and machine.
+
+:func:`check_exact` checks exact mode; :func:`with_faults`, :class:`Fault`
+and :func:`no_fault` inject silent data corruption (testing only) to check
+that :class:`jdp.Audit` and the fingerprints catch it.
+"""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -6,10 +11,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp._faults import Fault, no_fault, with_faults
 from jdp._replication import assert_replicas_in_sync
 from jdp._steps import TrainStep
 from jdp._tree import PyTree, is_prng_key
 from jdp.backends import BACKENDS, Backend, pmap, shard_map
+
+__all__ = ["Fault", "check_exact", "no_fault", "with_faults"]
 
 
 def check_exact(

@@ -19,6 +19,7 @@ LAYERS = [
     ["jdp._replication", "jdp._state"],
     ["jdp._forward", "jdp._update"],
     ["jdp.metrics._base", "jdp.metrics._builtin", "jdp.metrics._fingerprint", "jdp.metrics"],
+    ["jdp._audit"],
     [
         "jdp.strategies._base",
         "jdp.strategies._elementwise",
@@ -33,6 +34,7 @@ LAYERS = [
     ["jdp.backends._checks", "jdp.backends._runner"],
     ["jdp.backends._shard_map", "jdp.backends._pmap"],
     ["jdp.backends"],
+    ["jdp._faults"],
     ["jdp.testing", "jdp._evaluation", "jdp._checkpoint", "jdp._data", "jdp._tensorboard"],
     ["jdp._loop", "jdp.nnx"],
     ["jdp", "jdp.launch", "jdp.demo"],

@@ -58,6 +58,9 @@ class PmapStep(Backend[K]):
         self._per_call_checks = jax.process_count() > 1
         self._build()
 
+    def _replica_devices(self) -> list[jax.Device]:
+        return list(jax.devices()) if self._all_devices else self.devices
+
     def _compile(self, options: bool) -> Compiled:
         if self._per_call_checks:
             if self.step.compiler_options is None:

@@ -17,6 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 import jax
 
 from jdp import _layout, _watchdog
+from jdp._audit import Checker
 from jdp._batching import leaves_with_paths
 from jdp._devices import warn_if_cpu_pool_unsafe
 from jdp._replication import CONSUMED, check_replicas_agree, unreplicate
@@ -71,12 +72,18 @@ class Backend(abc.ABC, Generic[K]):
         # (JAX 0.10.2: segfault); one device raises, and _call explains it.
         self._guard_donated = bool(self._donate) and size > 1
         self._replicas_checked = False
+        audit = step.audit if isinstance(step, TrainStep) else None
+        self._audit = None if audit is None else Checker(audit, self.name, self._replica_devices())
         warn_if_cpu_pool_unsafe(size)
 
     def _build(self) -> None:
         self._fn = self._compile(True)
         # Under an outer jit, which takes the options itself (a nested jit cannot).
         self._fn_traced = self._compile(False) if self._has_options else self._fn
+
+    @abc.abstractmethod
+    def _replica_devices(self) -> list[jax.Device]:
+        """The device of each replica, in replica order (replica i on entry i)."""
 
     @abc.abstractmethod
     def _compile(self, options: bool) -> Compiled:
@@ -102,14 +109,31 @@ class Backend(abc.ABC, Generic[K]):
             _warn_options_lost(self.step)
             fn = self._fn_traced
         try:
-            return _call(fn, state, batch, self.axis_name, self.name, self._guard_donated)
+            out = _call(fn, state, batch, self.axis_name, self.name, self._guard_donated)
         except ValueError:
             other = self._other_layout(state)
             if other is None:
                 raise
-        # A state in the other backend's layout (jdp.replicate under shard_map,
-        # say) is re-placed once; the step returns it in this one's.
-        return self(other, batch)
+            # A state in the other backend's layout (jdp.replicate under shard_map,
+            # say) is re-placed once; the step returns it in this one's.
+            return self(other, batch)
+        if self._audit is not None:
+            self._audit.note(out[1], out[0])
+        return out
+
+    def check_audit(self) -> None:
+        """Checks the last call's replica audit now (a step built with ``audit=``; else nothing).
+
+        Each call checks the previous call's audit after dispatching its own
+        step, so the device never waits; this checks the last one, waiting
+        for it. ``jdp.fit`` calls it before every checkpoint save and at the end.
+
+        Raises:
+          jdp.ReplicaMismatchError: with ``on_mismatch="raise"``, when the
+            replicas disagreed after that step.
+        """
+        if self._audit is not None:
+            self._audit.check()
 
     def _other_layout(self, state: PyTree) -> PyTree | None:
         """``state`` re-placed in this backend's layout, if it is held in another one."""

@@ -51,6 +51,9 @@ class ShardMapStep(Backend[K]):
         self._setup(step, axis_name, donate_state, mesh.size)
         self._build()
 
+    def _replica_devices(self) -> list[jax.Device]:
+        return list(self.mesh.devices.flat)
+
     def _compile(self, options: bool) -> Compiled:
         return jax.jit(
             self._run,

@@ -50,6 +50,21 @@ def _leaf_hash(words: jax.Array, offset: jax.Array, leaf: int) -> jax.Array:
     return jnp.stack(lanes)
 
 
+def leaf_hashes(state: PyTree) -> jax.Array:
+    """``(leaves, 2)`` uint32: each leaf's hash on this replica; 0 for per-replica leaves.
+
+    A strategy's per-replica slices differ between replicas by design, so a
+    comparison of replicas leaves them out; the rows keep the flatten order,
+    so a row's index names its leaf.
+    """
+    split = _layout.per_replica_leaves(state)
+    rows = [
+        jnp.zeros(2, jnp.uint32) if per_replica else _leaf_hash(_words(x), jnp.uint32(0), i)
+        for i, (x, per_replica) in enumerate(zip(jax.tree.leaves(state), split, strict=True))
+    ]
+    return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
+
+
 def state_fingerprint(state: PyTree, axis_name: str) -> tuple[jax.Array, jax.Array]:
     """``(fingerprint, shared)`` of a state inside a step: two uint32 words each.
 

@@ -1,0 +1,112 @@
+"""A fault injector, for testing only: one flipped bit in one replica's state at one step.
+
+It models silent data corruption on one device: a wrong result of the
+update, or a bit that changed in memory after it. The fault is data, not
+code (it rides with the batch), so one compiled step injects any fault.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdp import metrics as _metrics
+from jdp._steps import TrainStep
+from jdp._tree import PyTree, is_prng_key
+from jdp.metrics import StepView
+
+_NONE = -1  # a fault row's step for "no fault"
+_STATE_METRICS = {"fingerprint": _metrics.fingerprint, "replicas_agree": _metrics.replicas_agree}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One bit to flip: after step ``step``, on replica ``replica``, in leaf ``leaf`` of the state.
+
+    Attributes:
+      step: the step (``state.step`` after it) whose new state is hit.
+      replica: the replica (its index on the data axis, across processes).
+      leaf: the leaf's index in ``jax.tree.leaves(state)``, the order
+        :class:`jdp.Audit` names leaves in.
+      index: the element of that leaf (its flat index, modulo the leaf's size).
+      bit: the bit of that element (modulo its width in bits).
+    """
+
+    step: int
+    replica: int
+    leaf: int
+    index: int = 0
+    bit: int = 0
+
+    def rows(self, batch_size: int) -> np.ndarray:
+        """The fault as ``(batch_size, 5)`` int32 rows, one per example, for the batch."""
+        spec = [self.step, self.replica, self.leaf, self.index, self.bit]
+        return np.tile(np.asarray(spec, np.int32), (batch_size, 1))
+
+
+def no_fault(batch_size: int) -> np.ndarray:
+    """Rows that inject nothing, for the steps between faults."""
+    return Fault(_NONE, 0, 0).rows(batch_size)
+
+
+def with_faults(step: TrainStep) -> TrainStep:
+    """``step`` taking ``(batch, fault rows)``: it flips the fault's bit in its new state.
+
+    Testing only: it checks that a fault is caught (:class:`jdp.Audit`,
+    ``jdp.metrics.replicas_agree``, ``jdp.metrics.fingerprint``). The state
+    metrics among the step's (``audit``, ``fingerprint``,
+    ``replicas_agree``) are computed again on the faulty state, as a fault
+    that hit the device before them would be seen.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jdp
+      >>> base = jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2), audit=jdp.Audit())
+      >>> step = jdp.pmap(jdp.testing.with_faults(base))
+      >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1)))
+      >>> x = np.ones((16, 3), np.float32)
+      >>> fault = jdp.testing.Fault(step=1, replica=5, leaf=1, index=2, bit=30)
+      >>> state, metrics = step(state, step.shard((x, fault.rows(16))))
+      >>> metrics["audit"][0].tolist()  # step 1: replica 5 differs at leaf 1 (params); 7 agree
+      [1, 5, 1, 7]
+    """
+    if not isinstance(step, TrainStep):
+        raise TypeError(
+            f"with_faults takes a step built by jdp.make_train_step, got {type(step).__name__}."
+        )
+    inner, axis_name = step.fn, step.axis_name
+
+    def faulty(state: PyTree, batch: tuple[PyTree, jax.Array]) -> tuple[PyTree, dict]:
+        data, rows = batch
+        new, metrics = inner(state, data)
+        new = flip(new, rows.reshape(-1, 5)[0], axis_name)
+        view = StepView(state, new, None, lambda g: jnp.zeros(()), axis_name)
+        redone = {name: make().compute(view) for name, make in _STATE_METRICS.items()}
+        if step.audit is not None:
+            redone["audit"] = step.audit.metric().compute(view)
+        return new, {**metrics, **{k: v for k, v in redone.items() if k in metrics}}
+
+    return dataclasses.replace(step, fn=faulty)
+
+
+def flip(state: PyTree, spec: jax.Array, axis_name: str) -> PyTree:
+    """``state`` with the bit ``spec`` names flipped on its replica, inside a step."""
+    at_step, replica, leaf, index, bit = (spec[i] for i in range(5))
+    here = (state.step == at_step) & (lax.axis_index(axis_name) == replica)
+    leaves, treedef = jax.tree.flatten(state)
+    hit = [
+        x if is_prng_key(x) or x.dtype == jnp.bool_ else _flipped(x, here & (leaf == i), index, bit)
+        for i, x in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, hit)
+
+
+def _flipped(x: jax.Array, hit: jax.Array, index: jax.Array, bit: jax.Array) -> jax.Array:
+    width = 8 * x.dtype.itemsize
+    unsigned = jnp.dtype(f"uint{width}")
+    words = lax.bitcast_convert_type(x, unsigned).reshape(-1)
+    at = index % words.size
+    mask = jnp.left_shift(jnp.ones((), unsigned), (bit % width).astype(unsigned))
+    words = words.at[at].set(jnp.where(hit, words[at] ^ mask, words[at]))
+    return lax.bitcast_convert_type(words.reshape(x.shape), x.dtype)
