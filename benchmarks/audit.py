@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import jdp
 
@@ -49,7 +48,7 @@ def cost(rounds, steps):
     for backend in BACKENDS:
         variants = {"plain": None, "audit@1": 1, "audit@100": 100}
         runners = {name: variant(backend, every) for name, every in variants.items()}
-        states, batches, times = {}, {}, {name: [] for name in variants}
+        states, batches = {}, {}
         for name, step in runners.items():
             states[name] = step.replicate(
                 jdp.TrainState.create(params=bench.init_params(), tx=optax.adam(1e-3))
@@ -57,17 +56,9 @@ def cost(rounds, steps):
             batches[name] = step.shard(bench.data())
             states[name], m = step(states[name], batches[name])
             jax.block_until_ready(m)
-        for _ in range(rounds):
-            for name, step in runners.items():
-                state, batch = states[name], batches[name]
-                t = time.perf_counter()
-                for _ in range(steps):
-                    state, m = step(state, batch)
-                jax.block_until_ready((state, m))
-                times[name].append((time.perf_counter() - t) / steps)
-                states[name] = state
-            for step in runners.values():
-                step.check_audit()
+        times = bench.time_rounds(runners, states, batches, rounds, steps)
+        for step in runners.values():
+            step.check_audit()
         ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
         out[backend] = {
             "ms": ms,

@@ -164,6 +164,24 @@ def peak_mib(lowered):
     return total / 2**20
 
 
+def time_rounds(variants, states, batches, rounds, steps):
+    """``{name: [seconds per step, one per round]}``, rounds interleaved over the variants.
+
+    ``states`` is updated in place with each variant's last state.
+    """
+    seconds = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, v in variants.items():
+            state, batch = states[name], batches[name]
+            t = time.perf_counter()
+            for _ in range(steps):
+                state, out = v(state, batch)
+            jax.block_until_ready((state, out))
+            seconds[name].append((time.perf_counter() - t) / steps)
+            states[name] = state
+    return seconds
+
+
 def bench_n(n, rounds, steps):
     devices = jax.local_devices()[:n]
     tx = optax.adam(1e-3)
@@ -190,16 +208,8 @@ def bench_n(n, rounds, steps):
         compile_s[name] = time.perf_counter() - t
         states[name], out = v(states[name], batches[name])  # warm the dispatch cache
         jax.block_until_ready(out)
-    rates = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, v in variants.items():
-            state, batch = states[name], batches[name]
-            t = time.perf_counter()
-            for _ in range(steps):
-                state, out = v(state, batch)
-            jax.block_until_ready((state, out))
-            rates[name].append(steps / (time.perf_counter() - t))
-            states[name] = state
+    seconds = time_rounds(variants, states, batches, rounds, steps)
+    rates = {name: [1 / t for t in ts] for name, ts in seconds.items()}
     medians = {name: statistics.median(r) for name, r in rates.items()}
     return {
         "n": n,

@@ -89,9 +89,11 @@ def agreement(view: StepView, every: int) -> jax.Array:
     own = view.after.step.astype(jnp.int32)
 
     def audit() -> jax.Array:
-        steps = lax.all_gather(own, view.axis_name)
+        # One all-gather: each replica's leaf hashes, and its step count as a last row.
+        rows = jnp.concatenate([leaf_hashes(view.after), jnp.stack([own, own])[None]])
+        gathered = lax.all_gather(rows, view.axis_name)
+        steps, table = gathered[:, -1, 0], gathered[:, :-1]  # (n,), (n, leaves, 2)
         step = steps[jnp.argmax(jnp.sum(steps[:, None] == steps[None, :], axis=1))]
-        table = lax.all_gather(leaf_hashes(view.after), view.axis_name)  # (n, leaves, 2)
         same = jnp.all(table[:, None] == table[None, :], axis=-1)  # (n, n, leaves)
         votes = same.sum(axis=1)  # per replica and leaf: how many hold its value
         majority = jnp.argmax(votes, axis=0)  # per leaf: a replica holding the majority's value
@@ -139,8 +141,9 @@ class Checker:
     def _check(self, result: jax.Array, treedef: Any) -> None:
         if isinstance(result, jax.core.Tracer):
             return
-        shard = result.addressable_shards[0].data if isinstance(result, jax.Array) else result
-        step, replica, leaf, votes = (int(v) for v in np.asarray(shard).reshape(-1)[-4:])
+        # Every replica holds the same four ints: this process's first one reads them.
+        first = np.asarray(result.addressable_shards[0].data).reshape(4)
+        step, replica, leaf, votes = (int(v) for v in first)
         if replica < 0:
             return
         message = self._message(step, replica, leaf, votes, treedef)
@@ -156,10 +159,12 @@ class Checker:
 
     def _message(self, step: int, replica: int, leaf: int, votes: int, treedef: Any) -> str:
         n = len(self.devices)
-        paths = jax.tree_util.tree_flatten_with_path(treedef.unflatten(range(treedef.num_leaves)))
-        name = "state" + jax.tree_util.keystr(paths[0][leaf][0]) if leaf < len(paths[0]) else "?"
-        device = self.devices[replica] if replica < n else None
-        where = "" if device is None else f" (device {device}, process {device.process_index})"
+        paths, _ = jax.tree_util.tree_flatten_with_path(
+            treedef.unflatten(range(treedef.num_leaves))
+        )
+        name = "state" + jax.tree_util.keystr(paths[leaf][0])
+        device = self.devices[replica]
+        where = f" (device {device}, process {device.process_index})"
         odd = (
             f"replica {replica}{where} differs from the value {votes} of the {n} replicas hold"
             if 2 * votes > n

@@ -132,13 +132,7 @@ def fit(
                 _evaluate(eval_step, eval_data, state, step, rows)
             if checkpointer is not None:
                 saved = _due(step, num_steps, checkpoint_every)
-                preempted = _watchdog.preemption_agreed(step)
-                if saved or preempted:
-                    _check_audit(train_step)  # a state whose replicas disagree is never saved
-                if saved:
-                    _save(checkpointer, step, state, position, history, rows)
-                if preempted:
-                    _preempted(checkpointer, step, state, position, history, rows, saved)
+                _checkpoint(train_step, checkpointer, step, saved, state, position, history, rows)
         rows.flush()
         _check_audit(train_step)
     if checkpointer is not None:
@@ -170,6 +164,17 @@ def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows") -> 
     rows.flush()
     _watchdog.set_phase("evaluation", step)
     rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
+
+
+def _checkpoint(train_step, checkpointer, step: int, due: bool, state, position, history, rows):
+    """Saves when ``due`` or on a preemption every process agrees on, once the audit passed."""
+    preempted = _watchdog.preemption_agreed(step)
+    if due or preempted:
+        _check_audit(train_step)  # a state whose replicas disagree is never saved
+    if due:
+        _save(checkpointer, step, state, position, history, rows)
+    if preempted:
+        _preempted(checkpointer, step, state, position, history, rows, due)
 
 
 def _preempted(checkpointer, step, state, position, history, rows, saved: bool) -> None:
