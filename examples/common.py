@@ -107,8 +107,6 @@ def train(
     train_data: Any,
     eval_data: Callable[[], Any],
     layers: Callable[[str], bool] | None = None,
-    model_state: Any = None,
-    cast_batch: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Trains with ``jdp.fit`` and returns (and writes) the run's summary."""
     import jax
@@ -117,17 +115,10 @@ def train(
     import jdp
 
     chosen = strategy(args.strategy, args.virtual_replicas, layers)
-    has_state = model_state is not None
-    precision = None if args.precision == "float32" else jdp.Policy(jnp.bfloat16, cast_batch)
-    train_step = jdp.shard_map(
-        jdp.make_train_step(
-            loss_fn, strategy=chosen, has_model_state=has_state, precision=precision
-        )
-    )
-    eval_step = jdp.shard_map(
-        jdp.make_eval_step(metric_fn, strategy=chosen, has_model_state=has_state)
-    )
-    state = jdp.TrainState.create(params=params, tx=optimizer(args), model_state=model_state)
+    precision = None if args.precision == "float32" else jnp.bfloat16
+    train_step = jdp.shard_map(jdp.make_train_step(loss_fn, strategy=chosen, precision=precision))
+    eval_step = jdp.shard_map(jdp.make_eval_step(metric_fn, strategy=chosen))
+    state = jdp.TrainState.create(params=params, tx=optimizer(args))
     args.out.mkdir(parents=True, exist_ok=True)
     logger = jdp.TensorBoardLogger(args.out / "tensorboard")
     started = time.perf_counter()

@@ -5,8 +5,7 @@
 The corpus is every top-level ``.py`` file of the standard library of the
 Python running this script (about 4.7 MB for Python 3.11; nothing to
 download), read as bytes: the vocabulary is the 256 byte values. The last 5%
-is held out for evaluation, reported as loss in nats per byte and as bits per
-byte. The model is a pre-norm decoder-only transformer in Flax Linen with
+is held out for evaluation, reported as the loss in nats per byte. The model is a pre-norm decoder-only transformer in Flax Linen with
 tied input and output embeddings; ``--size gpt2`` is GPT-2 small's shape.
 
 Each block is applied through ``jdp.strategies.layer``, the one line that
