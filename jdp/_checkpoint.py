@@ -17,11 +17,10 @@ import warnings
 import weakref
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jdp import _layout, distributed
@@ -29,6 +28,9 @@ from jdp._args import check_bool, check_int
 from jdp._replication import place_like, refuse_consumed, replicate, unreplicate
 from jdp._state import TrainState
 from jdp._tree import PyTree, is_prng_key
+
+if TYPE_CHECKING:
+    import orbax.checkpoint as ocp
 
 FORMAT_VERSION = 1
 # What a damaged or unreadable checkpoint raises (JSON and tensorstore errors
@@ -90,6 +92,10 @@ class Checkpointer:
                 "if missing) where the step directories will live."
             )
         _check_one_folder(self.directory)
+        # Imported here: Orbax (with tensorstore) takes longer to import than
+        # the rest of jdp, and a script that never checkpoints should not pay it.
+        import orbax.checkpoint as ocp
+
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
         )
@@ -140,6 +146,8 @@ class Checkpointer:
                 "another directory for a run that starts over."
             )
         arrays = _nest({parts: leaf for parts, _, leaf in _leaves(_global_copy(_whole(state)))})
+        import orbax.checkpoint as ocp
+
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -472,7 +480,9 @@ def _check_layout(saved, expected, step: int) -> None:
         )
 
 
-def _restore_args(expected) -> ocp.args.Composite:
+def _restore_args(expected) -> "ocp.args.Composite":
+    import orbax.checkpoint as ocp
+
     restore_args = _nest(
         {parts: ocp.RestoreArgs(restore_type=np.ndarray) for parts, _, _ in expected}
     )

@@ -10,11 +10,10 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from jdp import _tree, _watchdog
 from jdp._args import check_int
@@ -26,6 +25,9 @@ from jdp._steps import EvalStep
 from jdp._tree import PyTree
 from jdp.backends import Runner
 from jdp.metrics import Rule, rule_of
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 
 @dataclasses.dataclass
@@ -325,7 +327,7 @@ class _Rows:
         self,
         history: History,
         callbacks: Sequence[Callable],
-        bar: Progress,
+        bar: "Progress",
         task,
         rules: Mapping[str, Rule],
     ):
@@ -427,7 +429,16 @@ def _status(row: dict[str, Any]) -> str:
 _BOOKKEEPING = ("split", "step", "examples_per_s", "weight_per_s", "weight", "seconds")
 
 
-def _progress_bar(enabled: bool) -> Progress:
+def _progress_bar(enabled: bool) -> "Progress":
+    # Imported here: rich costs a tenth of a second that `import jdp` need not pay.
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
     return Progress(
         TextColumn("[bold]train"),
         BarColumn(),

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from jdp import _jax_private
+
 DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
 EXIT_FAILED, EXIT_TERMINATED, EXIT_PREEMPTED = 1, 143, 75  # 75: EX_TEMPFAIL, "run me again"
 PREEMPTION_GRACE = 30.0  # seconds from SIGTERM to a saved checkpoint (SLURM's KillWait default)
@@ -103,11 +105,7 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
     In one process the exception hook only finishes in-flight checkpoint saves.
     """
     global _JOB
-    # JAX's coordination state, read without starting the backend (the
-    # caller may still configure it).
-    from jax._src import distributed
-
-    state = distributed.global_state
+    state = _jax_private.coordination_state()
     _JOB = _Job(state, deadline or DEFAULT_DEADLINE, before_exit)
     _on_sigterm(_JOB)
     if _JOB.count < 2:

@@ -28,13 +28,17 @@ import pathlib
 import shutil
 import time
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+from jdp import _extras
 
-import jdp
+_extras.require(("flax", "sklearn", "matplotlib"), "demo", "jdp.demo")
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jdp  # noqa: E402
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 TRAIN_SIZE = 1440

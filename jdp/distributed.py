@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
-from jdp import _watchdog
+from jdp import _jax_private, _watchdog
 from jdp._args import check_int
 from jdp._devices import force_cpu_devices
 from jdp._tree import PyTree, is_prng_key
@@ -277,13 +277,11 @@ def _int_variable(name: str) -> int | None:
 
 def _cluster_detected(jax_kwargs: dict[str, Any]) -> bool:
     """Whether JAX's cluster detection finds a launcher (SLURM, Open MPI, Kubernetes, ...)."""
-    from jax._src import clusters  # JAX has no public query for this
-
     method = jax_kwargs.get("cluster_detection_method")
     return any(
         (env.name == method or (method is None and not env.opt_in_only_method))
         and env.is_env_present()
-        for env in clusters.ClusterEnv._cluster_types
+        for env in _jax_private.cluster_types()
     )
 
 
@@ -303,11 +301,8 @@ def _finish_before_exit(timeout: float) -> None:
 
 
 def _backend_started() -> bool:
-    # JAX has no public query for this; called too late, its own
-    # initialize can abort the process instead of raising.
-    from jax._src import xla_bridge
-
-    return xla_bridge.backends_are_initialized()
+    # Called too late, JAX's own initialize can abort the process instead of raising.
+    return _jax_private.backends_started()
 
 
 def check_initialized() -> None:

@@ -30,9 +30,14 @@ from jdp._tree import is_prng_key
 from typing import Any
 
 import jax
-from flax import nnx
 
-from jdp._tree import is_prng_key
+from jdp import _extras
+
+_extras.require(("flax",), "flax", "jdp.nnx")
+
+from flax import nnx  # noqa: E402
+
+from jdp._tree import is_prng_key  # noqa: E402
 
 State = Any
 ModelState = tuple[State, State]
