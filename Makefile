@@ -4,7 +4,11 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test demo bench lint format clean
+.PHONY: test test-floor docs demo bench lint format clean
+
+# The oldest JAX jdp supports, read from the pyproject's requirement.
+JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
+FLOOR_VENV ?= .venv-floor
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +38,25 @@ format: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q -n 2 --durations=15
 
+# The suites that exercise JAX's APIs, on the oldest supported jax and jaxlib.
+$(FLOOR_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -e '.[test]' 'jax==$(JAX_FLOOR)' 'jaxlib==$(JAX_FLOOR)' --config-settings editable_mode=compat
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed
+	$(FLOOR_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_FLOOR)', jax.__version__"
+	$(FLOOR_VENV)/bin/python -m pytest -q -n 2 tests/test_step.py tests/test_exact.py \
+	  tests/test_zoo.py tests/test_backends.py tests/test_strategies.py tests/test_fsdp.py \
+	  tests/test_zero1.py tests/test_checkpoint.py tests/test_jax_private.py \
+	  tests/test_collectives_in_loss.py tests/test_layouts.py tests/test_replication.py
+
+# The docs site, warnings as errors, in out/site (tests/test_site.py builds and
+# browses it too).
+docs: $(VENV)/.installed
+	$(PY) -m sphinx -b html -W --keep-going -q docs out/site
+
 demo: $(VENV)/.installed
 	$(PY) -m jdp.demo
 
@@ -52,4 +75,4 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/audit.py
 
 clean:
-	rm -rf $(VENV) out bench-results
+	rm -rf $(VENV) $(FLOOR_VENV) out bench-results

@@ -8,6 +8,7 @@ and every field survives ``jit``, ``pmap``, ``replicate`` and checkpoints.
 """
 
 import math
+from typing import TypeAlias
 
 import jax
 import jax.numpy as jnp
@@ -204,7 +205,8 @@ class DynamicLossScale:
         return pytree.replace(self, loss_scale=loss_scale, counter=counter)
 
 
-LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+LossScale: TypeAlias = NoOpLossScale | StaticLossScale | DynamicLossScale
+"""Any of the three loss scales; what ``TrainState.loss_scale`` holds."""
 
 
 def _check_decision(grads_finite: jax.typing.ArrayLike) -> None:

@@ -1,9 +1,7 @@
 """Every code block in docs/ and every docstring example in jdp/ runs."""
 
-import ast
 import doctest
 import importlib
-import inspect
 import os
 import pathlib
 import pkgutil
@@ -18,7 +16,8 @@ import pytest
 import jdp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PAGES = sorted((ROOT / "docs").glob("*.md"))
+# changelog.md only includes CHANGELOG.md, which has no code.
+PAGES = sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "changelog.md")
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(jdp.__path__, "jdp.") if not m.name.endswith("__main__")
@@ -65,79 +64,6 @@ def test_docstring_examples(name):
         module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE, verbose=False
     )
     assert result.failed == 0, f"{result.failed} doctest(s) failed in {name}"
-
-
-def test_every_public_name_is_documented():
-    api = (ROOT / "docs" / "api.md").read_text()
-    missing = [name for name in jdp.__all__ if f"`{name}" not in api]
-    assert not missing, f"docs/api.md does not mention {missing}"
-
-
-SIGNATURE_ROW = re.compile(r"^\| `(?:strategies\.)?(\w+)\((.*?)\)` \|", re.M)
-
-
-def _documented_parameters(text: str) -> dict[str, str | None]:
-    """``{name: default text or None}`` from a signature written as in docs/api.md."""
-    params, depth, part = {}, 0, ""
-    for ch in text + ",":
-        depth += ch in "([{"
-        depth -= ch in ")]}"
-        if ch == "," and depth == 0:
-            item = part.strip()
-            part = ""
-            if item in ("", "*") or item.startswith("*"):
-                continue
-            name, _, default = item.partition("=")
-            params[name.strip()] = default.strip() or None
-        else:
-            part += ch
-    return params
-
-
-def test_api_reference_matches_the_signatures():
-    """docs/api.md cannot drift: every documented call lists the real parameters and defaults."""
-    api = (ROOT / "docs" / "api.md").read_text()
-    checked, wrong = 0, []
-    for name, args in SIGNATURE_ROW.findall(api):
-        target = getattr(jdp, name, None) or getattr(jdp.strategies, name, None)
-        if target is None or not callable(target):
-            continue
-        try:
-            signature = inspect.signature(target)
-        except (TypeError, ValueError):
-            continue
-        if "..." in args:
-            continue  # a row that names only the first parameters
-        documented = _documented_parameters(args)
-        real = {
-            k: p
-            for k, p in signature.parameters.items()
-            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-        }
-        if list(documented) != list(real):
-            wrong.append(f"{name}: docs {list(documented)}, code {list(real)}")
-            continue
-        for key, default in documented.items():
-            if default is None or real[key].default is inspect.Parameter.empty:
-                if (default is None) != (real[key].default is inspect.Parameter.empty):
-                    wrong.append(f"{name}({key}): docs default {default}, code {real[key].default}")
-                continue
-            if not _same_default(default, real[key].default):
-                wrong.append(f"{name}({key}=...): docs {default}, code {real[key].default!r}")
-        checked += 1
-    assert not wrong, "\n".join(wrong)
-    assert checked >= 20, checked
-
-
-def _same_default(text: str, value: object) -> bool:
-    """A documented default (a literal, or a name such as ``PSUM``) against the code's."""
-    if repr(value) == "<factory>":  # a dataclass default_factory, documented as a call
-        return text.endswith("()")
-    try:
-        return ast.literal_eval(text) == value
-    except (ValueError, SyntaxError):
-        named = getattr(jdp.strategies, text, getattr(jdp, text, None))
-        return named is value or getattr(value, "__name__", None) == text.split(".")[-1]
 
 
 LAUNCHER_LINE = {"mpirun": re.compile(r"^mpirun .*$", re.M), "srun": re.compile(r"^srun .*$", re.M)}
