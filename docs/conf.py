@@ -19,7 +19,8 @@ extensions = [
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
 ]
-exclude_patterns = ["_build", "**.ipynb_checkpoints"]
+# pypi.md is the package description (pyproject readme), not a page.
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "pypi.md"]
 myst_heading_anchors = 3  # `page.md#a-heading` links resolve, as on a Git host
 myst_enable_extensions = ["colon_fence"]
 nb_execution_mode = "off"

@@ -84,6 +84,11 @@ def test_wheel_carries_license_metadata_and_types(wheel):
     assert not any(r.startswith("flax") and "extra" not in r for r in requires), requires
     assert any(r.startswith("flax") and 'extra == "flax"' in r for r in requires), requires
     assert not any("jax._src" in n for n in names)
+    # The description a package index shows: no link or image that is relative.
+    description = meta.get_payload()
+    assert "jdp.shard_map" in description
+    targets = re.findall(r"\]\(([^)]*)\)", description)
+    assert all(t.startswith("https://") for t in targets), targets
 
 
 def test_readme_quickstart_runs_from_the_wheel(python, tmp_path):
