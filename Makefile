@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test test-floor docs demo bench lint format clean
+.PHONY: test test-floor docs notebooks demo bench lint format clean
 
 # The oldest JAX jdp supports, read from the pyproject's requirement.
 JAX_FLOOR := $(shell sed -n 's/.*"jax>=\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -56,6 +56,11 @@ test-floor: $(FLOOR_VENV)/.installed
 # browses it too).
 docs: $(VENV)/.installed
 	$(PY) -m sphinx -b html -W --keep-going -q docs out/site
+
+# Re-executes the notebooks and saves them with their outputs (the suite
+# checks the saved outputs are what the notebooks produce now).
+notebooks: $(VENV)/.installed
+	$(PY) tests/test_notebooks.py
 
 demo: $(VENV)/.installed
 	$(PY) -m jdp.demo
