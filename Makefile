@@ -62,8 +62,10 @@ docs: $(VENV)/.installed
 notebooks: $(VENV)/.installed
 	$(PY) tests/test_notebooks.py
 
+# The README's image is the default run's figure (tests/test_loop.py checks it).
 demo: $(VENV)/.installed
 	$(PY) -m jdp.demo
+	cp out/demo/promises.png docs/images/demo.png
 
 # The step against a hand-written one; per-call cost on a tiny model; per-device memory of the sharded
 # optimizer; data_parallel, zero1 and fsdp on a 12-layer LM; end to end (fit vs a hand loop, compile time and cache); then
