@@ -98,21 +98,40 @@ def optimizer(args: argparse.Namespace):
     return optax.chain(jdp.clip_by_global_norm(1.0), adamw)
 
 
+def in_blocks(path: str) -> bool:
+    """fsdp's ``layers`` for a model whose ``params["blocks"]`` each go through ``layer``.
+
+    Those leaves are gathered by ``jdp.strategies.layer``, one block at a time.
+    """
+    return path.startswith("['blocks']")
+
+
 def train(
     args: argparse.Namespace,
     *,
     loss_fn: Callable[..., Any],
     metric_fn: Callable[..., Any],
     params: Any,
-    train_data: Any,
-    eval_data: Callable[[], Any],
+    train_split: dict[str, Any],
+    test_split: dict[str, Any],
     layers: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
-    """Trains with ``jdp.fit`` and returns (and writes) the run's summary."""
+    """Trains with ``jdp.fit`` and returns (and writes) the run's summary.
+
+    ``train_split`` is shuffled by ``--seed`` and repeated; ``test_split`` is
+    read once per evaluation, its last batch padded (metrics weight the padding 0).
+    """
+    import functools
+
     import jax
     import jax.numpy as jnp
 
     import jdp
+
+    train_data = jdp.BatchIterator(train_split, args.batch_size, seed=args.seed)
+    eval_data = functools.partial(
+        jdp.BatchIterator, test_split, args.batch_size, shuffle=False, remainder="pad", repeat=False
+    )
 
     chosen = strategy(args.strategy, args.virtual_replicas, layers)
     precision = None if args.precision == "float32" else jnp.bfloat16

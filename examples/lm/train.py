@@ -13,7 +13,6 @@ lets ``--strategy fsdp`` gather one block's parameters at a time; under the
 other strategies it is the plain function.
 """
 
-import functools
 import os
 import pathlib
 import sys
@@ -108,11 +107,6 @@ def model(size: str):
     return init, loss_fn, metric_fn
 
 
-def in_blocks(path: str) -> bool:
-    """fsdp's ``layers``: the blocks' leaves are gathered by ``layer``, one block at a time."""
-    return path.startswith("['blocks']")
-
-
 def main(argv=None) -> dict:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -121,8 +115,6 @@ def main(argv=None) -> dict:
     )
     args = p.parse_args(argv)
     common.start(args)
-    import jdp
-
     train, test = windows(corpus()[: args.corpus_bytes], SIZES[args.size][3])
     init, loss_fn, metric_fn = model(args.size)
     return common.train(
@@ -130,11 +122,9 @@ def main(argv=None) -> dict:
         loss_fn=loss_fn,
         metric_fn=metric_fn,
         params=init(args.seed),
-        train_data=jdp.BatchIterator(train, args.batch_size, seed=args.seed),
-        eval_data=functools.partial(
-            jdp.BatchIterator, test, args.batch_size, shuffle=False, remainder="pad", repeat=False
-        ),
-        layers=in_blocks,
+        train_split=train,
+        test_split=test,
+        layers=common.in_blocks,
     )
 
 

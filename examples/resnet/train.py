@@ -141,19 +141,12 @@ def model(size: str, image_size: int):
     return init, loss_fn, metric_fn
 
 
-def in_blocks(path: str) -> bool:
-    """fsdp's ``layers``: the blocks' leaves are gathered by ``layer``, one block at a time."""
-    return path.startswith("['blocks']")
-
-
 def main(argv=None) -> dict:
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="resnet18")
     p.add_argument("--image-size", type=int, default=32, help="digits upsampled to this size")
     args = p.parse_args(argv)
     common.start(args)
-    import jdp
-
     train, test = digits(args.image_size, args.seed)
     init, loss_fn, metric_fn = model(args.size, args.image_size)
     return common.train(
@@ -161,11 +154,9 @@ def main(argv=None) -> dict:
         loss_fn=loss_fn,
         metric_fn=metric_fn,
         params=init(args.seed),
-        train_data=jdp.BatchIterator(train, args.batch_size, seed=args.seed),
-        eval_data=functools.partial(
-            jdp.BatchIterator, test, args.batch_size, shuffle=False, remainder="pad", repeat=False
-        ),
-        layers=in_blocks,
+        train_split=train,
+        test_split=test,
+        layers=common.in_blocks,
     )
 
 
