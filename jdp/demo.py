@@ -362,11 +362,13 @@ def main(argv=None) -> dict:
         saved = ckpt.all_steps()
     reference = None
     result = _result(args, n, state, history, final)
-    result["examples_per_s"] = _throughput(result, seconds)
+    trained = result["steps"] - (history.resumed_at[-1] if history.resumed_at else 0)
+    result["examples_per_s"] = trained * args.batch_size / seconds
     if not args.no_reference:
         print(f"the same run on 1 device, for comparison ({args.steps} steps)")
         one, reference, one_final, one_seconds = train(args, train_data, test_data, devices[:1])
-        result["reference_examples_per_s"] = _throughput(result, one_seconds)
+        # The 1-device run never resumes: it trains every step.
+        result["reference_examples_per_s"] = args.steps * args.batch_size / one_seconds
         result["max_param_diff"] = max_difference(state.params, one.params)
         result["bitwise_equal"] = all(
             np.array_equal(a, b)
@@ -428,12 +430,6 @@ def _result(args: argparse.Namespace, n: int, state, history, final) -> dict:
         "communication": args.communication,
         "backend_platform": jax.default_backend(),
     }
-
-
-def _throughput(result: dict, seconds: float) -> float:
-    """Examples per second over the loop's wall time (compilation, evaluation, saves included)."""
-    trained = result["steps"] - (result["resumed_at"][-1] if result["resumed_at"] else 0)
-    return trained * result["global_batch"] / seconds
 
 
 def _report(result: dict, seconds: float) -> None:

@@ -46,8 +46,9 @@ def test_lm_fsdp_killed_and_resumed_is_the_same_training(lm_reference, tmp_path)
     assert first["resumed_at"] == [] and first["eval"]["step"] == 100
     resumed = run_lm(tmp_path, "--strategy", "fsdp", "--steps", "200")
     assert resumed["resumed_at"] == [100]
-    np.testing.assert_allclose(resumed["eval"]["loss"], lm_reference["eval"]["loss"], rtol=1e-5)
-    np.testing.assert_allclose(resumed["train_loss"], lm_reference["train_loss"], rtol=1e-5)
+    # The strategies agree to 1e-8 here (examples/lm/README.md); 1e-6 as fsdp promises.
+    np.testing.assert_allclose(resumed["eval"]["loss"], lm_reference["eval"]["loss"], rtol=1e-6)
+    np.testing.assert_allclose(resumed["train_loss"], lm_reference["train_loss"], rtol=1e-6)
     events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 2 and all(e.stat().st_size > 0 for e in events)
 
