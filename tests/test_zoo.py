@@ -4,23 +4,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.tree_util import keystr
 
 import jdp
+from jdp._tree import is_prng_key
 from jdp.testing import check_exact
 from tests import models, zoo
 
 
 @pytest.mark.parametrize("family", sorted(zoo.FAMILIES))
-def test_family_is_bitwise_equal_on_1_2_4_8_devices(family, backend):
+def test_family_is_bitwise_equal_on_1_2_4_8_devices_and_both_backends(family):
     make_step, state, batches = zoo.FAMILIES[family]()
-    results = check_exact(make_step, state, batches, backend=getattr(jdp, backend))
+    results = {
+        name: check_exact(make_step, state, batches, backend=getattr(jdp, name))
+        for name in ("shard_map", "pmap")
+    }
     # It trained: every parameter and statistic moved (zeros would be exact trivially).
-    final = results[1][0]
+    final = results["shard_map"][1][0]
     moved = [(state.params, final.params), (state.model_state, final.model_state)]
     for before, after in moved:
         for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
             if jnp.issubdtype(a.dtype, jnp.floating):
                 assert not np.array_equal(np.asarray(a), np.asarray(b))
+    # The two backends compile the same update: an exact checkpoint resumes under either.
+    flat = jax.tree_util.tree_flatten_with_path(results["shard_map"][8])[0]
+    for (path, a), b in zip(flat, jax.tree.leaves(results["pmap"][8]), strict=True):
+        a, b = (np.asarray(jax.random.key_data(x) if is_prng_key(x) else x) for x in (a, b))
+        np.testing.assert_array_equal(a, b, err_msg=f"pmap vs shard_map: {keystr(path)}")
 
 
 def test_zoo_on_two_processes_of_two_devices_equals_one_of_four(tmp_path):
@@ -34,6 +44,10 @@ def test_zoo_on_two_processes_of_two_devices_equals_one_of_four(tmp_path):
     assert set(zoo.ACROSS_PROCESSES["shard_map"]) == set(zoo.FAMILIES) - {"unet"}
     for name in out[1].files:
         np.testing.assert_array_equal(out[1][name], out[2][name], err_msg=name)
+    # and the two backends agree across processes too
+    for name in (n for n in out[2].files if n.startswith("pmap/")):
+        shard_map_name = "shard_map/" + name.removeprefix("pmap/")
+        np.testing.assert_array_equal(out[2][name], out[2][shard_map_name], err_msg=name)
 
 
 def test_an_outer_jit_is_warned_and_exact_with_the_strategys_options():

@@ -33,6 +33,7 @@ from jdp._weighting import safe_divide
 from jdp.strategies._base import (
     Reduced,
     Strategy,
+    UpdateFn,
     plain_norm,
     refuse_per_replica,
     replicate_state,
@@ -67,7 +68,7 @@ def exact(virtual_replicas: int) -> Strategy:
     return Strategy(
         "exact",
         gradients,
-        whole_state_update("exact"),
+        _opaque_update(whole_state_update("exact")),
         plain_norm,
         replicate_state,
         compiler_options=SAME_PASSES_ON_EVERY_DEVICE_COUNT,
@@ -271,6 +272,44 @@ def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_
 
     buffers = lax.fori_loop(0, count + opaque_zero, body, buffers)
     return jax.tree.map(lambda b: b[:count], buffers)
+
+
+def _opaque_update(update: UpdateFn) -> UpdateFn:
+    """``update`` run as a loop of one trip that XLA cannot prove, so nothing fuses across it.
+
+    XLA:CPU contracts a multiply and an add into one fused multiply-add
+    whenever both land in one fused kernel (always on; no flag turns it off),
+    so which operations share a fusion changes the bits. The two backends'
+    programs differ around the update (the pmap layout's leading axis adds
+    bitcasts at the parameters and outputs), and Adam's update fused with its
+    moments under one and not the other (measured: the zoo MLP's params 1 ulp
+    apart after one step). Inside the loop body the update is the same
+    computation under every backend and device count. The state is the loop's
+    carry, so the update still writes in place (the cost: docs/exact.md).
+    """
+
+    def opaque(state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str):
+        info = jax.eval_shape(
+            lambda s, g, m: update(s, g, m, axis_name), state, grads, model_state
+        )[1]
+
+        def body(i, carry):
+            new = update(carry[0], grads, model_state, axis_name)
+            # A second trip (never taken) would keep the first one's result.
+            return jax.tree.map(lambda a, b: _select(i == 0, a, b), new, carry)
+
+        trips = 1 + (state.step < 0).astype(jnp.int32)  # XLA cannot prove it is 1
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), info)
+        return lax.fori_loop(0, trips, body, (state, zeros))
+
+    return opaque
+
+
+def _select(first: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    if _tree.is_prng_key(new):
+        data = lax.select(first, jax.random.key_data(new), jax.random.key_data(old))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+    return lax.select(first, new, old)
 
 
 def _refusal(collective: str) -> str:
