@@ -77,9 +77,12 @@ def test_resnet_tiny_reaches_its_stated_loss(tmp_path):
 
 
 def test_resnet_exact_stopped_and_resumed_is_bitwise_the_same_run(tmp_path):
-    whole = run_resnet(tmp_path / "whole", "--strategy", "exact", "--steps", "200")
-    run_resnet(tmp_path / "split", "--strategy", "exact", "--steps", "100")
-    resumed = run_resnet(tmp_path / "split", "--strategy", "exact", "--steps", "200")
-    assert resumed["resumed_at"] == [100]
+    # 40 steps, stopped at 20 (argparse keeps an option's last value).
+    short = ["--strategy", "exact", "--decay-steps", "40", "--eval-every", "20"]
+    short += ["--checkpoint-every", "20"]
+    whole = run_resnet(tmp_path / "whole", *short, "--steps", "40")
+    run_resnet(tmp_path / "split", *short, "--steps", "20")
+    resumed = run_resnet(tmp_path / "split", *short, "--steps", "40")
+    assert resumed["resumed_at"] == [20]
     assert resumed["eval"] == whole["eval"]
     assert resumed["train_loss"] == whole["train_loss"]
