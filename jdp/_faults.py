@@ -18,7 +18,11 @@ from jdp._tree import PyTree, is_prng_key
 from jdp.metrics import StepView
 
 _NONE = -1  # a fault row's step for "no fault"
-_STATE_METRICS = {"fingerprint": _metrics.fingerprint, "replicas_agree": _metrics.replicas_agree}
+_STATE_METRICS = {
+    "fingerprint": _metrics.fingerprint,
+    "leaf_fingerprints": _metrics.leaf_fingerprints,
+    "replicas_agree": _metrics.replicas_agree,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +61,8 @@ def with_faults(step: TrainStep) -> TrainStep:
     Testing only: it checks that a fault is caught (:class:`jdp.Audit`,
     ``jdp.metrics.replicas_agree``, ``jdp.metrics.fingerprint``). The state
     metrics among the step's (``audit``, ``fingerprint``,
-    ``replicas_agree``) are computed again on the faulty state, as a fault
-    that hit the device before them would be seen.
+    ``leaf_fingerprints``, ``replicas_agree``) are computed again on the
+    faulty state, as a fault that hit the device before them would be seen.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jdp

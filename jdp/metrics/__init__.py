@@ -19,7 +19,13 @@ from jdp.metrics._base import (
     weighted_mean,
 )
 from jdp.metrics._builtin import grad_norm, learning_rate
-from jdp.metrics._fingerprint import fingerprint, replicas_agree, state_fingerprint
+from jdp.metrics._fingerprint import (
+    fingerprint,
+    host_fingerprints,
+    leaf_fingerprints,
+    replicas_agree,
+    state_fingerprint,
+)
 
 __all__ = [
     "Metric",
@@ -28,6 +34,8 @@ __all__ = [
     "exact_int",
     "fingerprint",
     "grad_norm",
+    "host_fingerprints",
+    "leaf_fingerprints",
     "learning_rate",
     "mean",
     "replicas_agree",

@@ -11,8 +11,11 @@ adds nothing. A single flipped bit changes both lanes (an odd multiplier
 times a power of two is never 0 modulo 2**32).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jdp import _layout
@@ -86,6 +89,51 @@ def state_fingerprint(state: PyTree, axis_name: str) -> tuple[jax.Array, jax.Arr
     return shared + lax.psum(parts, axis_name), shared
 
 
+def logical_leaf_hashes(state: PyTree, axis_name: str) -> jax.Array:
+    """``(leaves, 2)`` uint32 inside a step: each leaf's hash in the logical state.
+
+    A leaf every replica holds whole is hashed as this replica holds it; a
+    strategy's per-replica slices are hashed at their global positions and
+    summed over the data axis (one ``(leaves, 2)`` psum), so the rows are
+    the same for every layout. They sum to :func:`state_fingerprint`'s
+    fingerprint.
+    """
+    leaves = jax.tree.leaves(state)
+    split = _layout.per_replica_leaves(state)
+    if not leaves:
+        return jnp.zeros((0, 2), jnp.uint32)
+    index = lax.axis_index(axis_name).astype(jnp.uint32)
+    rows = []
+    for i, (x, per_replica) in enumerate(zip(leaves, split, strict=True)):
+        words = _words(x)
+        offset = index * jnp.uint32(words.size) if per_replica else jnp.uint32(0)
+        rows.append(_leaf_hash(words, offset, i))
+    hashes = jnp.stack(rows)
+    mask = jnp.asarray(split)[:, None]
+    if not any(split):
+        return hashes
+    summed = lax.psum(jnp.where(mask, hashes, jnp.uint32(0)), axis_name)
+    return jnp.where(mask, summed, hashes)
+
+
+@functools.cache
+def _host_hashes():
+    return jax.jit(leaf_hashes)
+
+
+def host_fingerprints(tree: PyTree) -> tuple[list[int], list[list[int]]]:
+    """``(fingerprint, per-leaf hashes)`` of a whole, one-copy tree, as Python ints.
+
+    The values :func:`fingerprint` and :func:`leaf_fingerprints` report
+    inside a step for a state holding these values, in any layout
+    (``jdp.Checkpointer`` records them with every checkpoint). ``tree`` must
+    hold no per-replica leaves: pass ``jdp.unreplicate(state)``.
+    """
+    rows = np.asarray(_host_hashes()(tree), np.uint32).reshape(-1, 2)
+    total = rows.sum(axis=0, dtype=np.uint32) if len(rows) else np.zeros(2, np.uint32)
+    return [int(v) for v in total], rows.tolist()
+
+
 def fingerprint() -> Metric:
     """``fingerprint``: the new state's fingerprint, two uint32 words (logged as two ints).
 
@@ -107,6 +155,32 @@ def fingerprint() -> Metric:
     """
     return Metric(
         "fingerprint", lambda view: state_fingerprint(view.after, view.axis_name)[0], exact_int
+    )
+
+
+def leaf_fingerprints() -> Metric:
+    """``leaf_fingerprints``: each leaf's fingerprint in the new state, ``(leaves, 2)`` uint32.
+
+    Rows in ``jax.tree.leaves(state)`` order; they sum (modulo 2**32) to
+    :func:`fingerprint`. Costs one ``(leaves, 2)`` collective where a
+    strategy splits the state, none otherwise, and ``2 * leaves`` integers
+    per logged row: for comparing two runs leaf by leaf
+    (``python -m jdp.verify``), not for every run.
+
+    Example:
+      >>> import jax.numpy as jnp, numpy as np, optax, jdp
+      >>> step = jdp.shard_map(jdp.make_train_step(lambda p, b: jnp.mean((b * p["w"]) ** 2),
+      ...                      metrics=[jdp.metrics.leaf_fingerprints()]))
+      >>> state = step.replicate(jdp.TrainState.create(params={"w": jnp.ones(())},
+      ...                                              tx=optax.sgd(0.1)))
+      >>> _, metrics = step(state, step.shard(np.ones(8, np.float32)))
+      >>> metrics["leaf_fingerprints"].shape  # (replicas, leaves: step, w, skipped_steps, 2)
+      (8, 3, 2)
+    """
+    return Metric(
+        "leaf_fingerprints",
+        lambda view: logical_leaf_hashes(view.after, view.axis_name),
+        exact_int,
     )
 
 
