@@ -28,6 +28,7 @@ from jdp._args import check_bool, check_int
 from jdp._replication import place_like, refuse_consumed, replicate, unreplicate
 from jdp._state import TrainState
 from jdp._tree import PyTree, is_prng_key
+from jdp.metrics import host_fingerprints
 
 if TYPE_CHECKING:
     import orbax.checkpoint as ocp
@@ -145,7 +146,9 @@ class Checkpointer:
                 f"{self.directory}; checkpoints must be saved in increasing step order. Use "
                 "another directory for a run that starts over."
             )
-        arrays = _nest({parts: leaf for parts, _, leaf in _leaves(_global_copy(_whole(state)))})
+        copy = _global_copy(_whole(state))
+        meta["fingerprint"] = _fingerprints(copy)
+        arrays = _nest({parts: leaf for parts, _, leaf in _leaves(copy)})
         import orbax.checkpoint as ocp
 
         self._manager.save(
@@ -227,6 +230,45 @@ class Checkpointer:
             )
         state = _rebuild(template, expected, _flatten_nested(restored["state"]))
         return (place or _placement_like(template))(state), meta["extra"] or {}
+
+    def fingerprints(self, step: int | None = None) -> dict[str, Any] | None:
+        """The fingerprints recorded with checkpoint ``step`` (default the newest), without its arrays.
+
+        Returns:
+          ``{"state": [a, b], "leaves": {path: [a, b], ...}}``: the state's
+          fingerprint and each leaf's, by its path in the logical state, as
+          :func:`jdp.metrics.fingerprint` and
+          :func:`jdp.metrics.leaf_fingerprints` report them inside a step;
+          None for a checkpoint written before jdp recorded them.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint (or no checkpoint ``step``).
+        """
+        return self._meta(step).get("fingerprint")
+
+    def extra(self, step: int | None = None) -> dict[str, Any]:
+        """The ``extra`` saved with checkpoint ``step`` (default the newest), without its arrays.
+
+        Raises:
+          FileNotFoundError: there is no checkpoint (or no checkpoint ``step``).
+        """
+        return self._meta(step).get("extra") or {}
+
+    def _meta(self, step: int | None) -> dict[str, Any]:
+        steps = self.all_steps()
+        if not steps or (step is not None and int(step) not in steps):
+            raise FileNotFoundError(
+                f"No checkpoint {'' if step is None else step} in {self.directory}; "
+                f"available: {steps}."
+            )
+        import orbax.checkpoint as ocp
+
+        chosen = steps[-1] if step is None else int(step)
+        with _quiet_orbax():
+            restored = self._manager.restore(
+                chosen, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )
+        return restored["meta"]
 
     def _read_metadata(self, step: int) -> tuple[Any, Exception | None]:
         """``(leaf shapes and dtypes, None)``, or ``(None, error)`` when damaged."""
@@ -381,6 +423,13 @@ def _global_copy(tree: PyTree) -> PyTree:
         return layout.global_copy(x)
 
     return jax.tree.map(one, tree)
+
+
+def _fingerprints(copy: PyTree) -> dict[str, Any]:
+    """The fingerprint of the state being saved, and of each leaf by its path."""
+    total, rows = host_fingerprints(copy)
+    paths = [path for _, path, _ in _leaves(copy)]
+    return {"state": total, "leaves": dict(zip(paths, rows, strict=True))}
 
 
 def _whole(tree: PyTree) -> PyTree:

@@ -125,3 +125,21 @@ def test_fit_logs_the_fingerprint_as_integers():
     )
     row = history.train[-1]
     assert len(row["fingerprint"]) == 2 and all(isinstance(v, int) for v in row["fingerprint"])
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "zero1", "fsdp"])
+def test_a_checkpoint_records_the_fingerprints_the_step_reports(name, backend, tmp_path):
+    prints = [jdp.metrics.fingerprint(), jdp.metrics.leaf_fingerprints()]
+    strategy = getattr(jdp.strategies, name)()
+    step = models.backend(
+        backend, jdp.make_train_step(models.mlp_loss, strategy=strategy, metrics=prints), 8
+    )
+    state, metrics = step(step.replicate(initial_state()), step.shard(DATA[0]))
+    with jdp.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        recorded = ckpt.fingerprints()
+    assert recorded["state"] == np.asarray(metrics["fingerprint"])[0].tolist()
+    assert list(recorded["leaves"].values()) == np.asarray(metrics["leaf_fingerprints"])[0].tolist()
+    assert list(recorded["leaves"]) == [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(initial_state())[0]
+    ]
