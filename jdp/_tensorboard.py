@@ -9,8 +9,11 @@ class TensorBoardLogger:
     """A ``fit`` callback that writes every logged row's scalars to TensorBoard.
 
     Train rows go under ``train/<metric>``, evaluation rows under
-    ``eval/<metric>``, at the row's ``step``; per-replica lists are skipped.
-    Only process 0 writes.
+    ``eval/<metric>``, at the row's ``step``. A flat list of integers (a
+    state fingerprint, :func:`jdp.metrics.fingerprint`) is written as text,
+    exactly (a scalar summary is a float32, which would round it); other
+    lists (per-replica values, per-leaf fingerprints) are skipped. Only
+    process 0 writes.
 
     Args:
       logdir: the event-file directory (``tensorboard --logdir`` it).
@@ -18,7 +21,8 @@ class TensorBoardLogger:
     Example:
       >>> import tempfile, jdp
       >>> logger = jdp.TensorBoardLogger(tempfile.mkdtemp())
-      >>> logger({"split": "train", "step": 10, "loss": 0.5, "loss_per_replica": [0.4, 0.6]})
+      >>> logger({"split": "train", "step": 10, "loss": 0.5, "loss_per_replica": [0.4, 0.6],
+      ...         "fingerprint": [3735928559, 4276992702]})
       >>> logger.close()
     """
 
@@ -43,8 +47,19 @@ class TensorBoardLogger:
                 continue
             if isinstance(value, numbers.Real):
                 self._writer.add_scalar(f"{split}/{name}", float(value), row["step"])
+            elif _integers(value):
+                text = " ".join(str(v) for v in value)
+                self._writer.add_text(f"{split}/{name}", text, row["step"])
         self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def _integers(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    )

@@ -167,8 +167,11 @@ def test_fit_killed_and_resumed_is_bit_identical(tmp_path, kind):
     _kill_resume(tmp_path, kind)
 
 
-def _read_scalars(logdir):
-    """Every (tag, step, value) in the tfevents files: TFRecord framing, Event protos."""
+def _read_scalars(logdir, text=False):
+    """Every (tag, step, value) in the tfevents files: TFRecord framing, Event protos.
+
+    ``text``: the text summaries instead, their strings as values.
+    """
     from tensorboardX.proto import event_pb2
 
     out = []
@@ -180,12 +183,15 @@ def _read_scalars(logdir):
             event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
             pos += 12 + length + 4
             for value in event.summary.value:
-                out.append((value.tag, event.step, value.simple_value))
+                if text and value.tensor.string_val:
+                    out.append((value.tag, event.step, value.tensor.string_val[0].decode()))
+                elif not text and not value.tensor.string_val:
+                    out.append((value.tag, event.step, value.simple_value))
     return out
 
 
-def test_tensorboard_file_holds_the_logged_losses(tmp_path):
-    step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
+def test_tensorboard_file_holds_the_logged_losses_and_fingerprints(tmp_path):
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, metrics=[jdp.metrics.fingerprint()]))
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
     eval_step = jdp.pmap(
         jdp.make_eval_step(
@@ -211,6 +217,9 @@ def test_tensorboard_file_holds_the_logged_losses(tmp_path):
     assert [(s, pytest.approx(v, rel=1e-6)) for tag, s, v in scalars if tag == "eval/mse"] == [
         (4, history.eval[0]["mse"])
     ]
+    # A fingerprint is written exactly, as text: two uint32 words.
+    texts = [(s, v) for tag, s, v in _read_scalars(tmp_path, text=True) if "fingerprint" in tag]
+    assert texts == [(r["step"], " ".join(map(str, r["fingerprint"]))) for r in history.train]
 
 
 def test_learning_rate_in_the_metrics():
