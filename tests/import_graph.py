@@ -38,7 +38,7 @@ LAYERS = [
     ["jdp._faults"],
     ["jdp.testing", "jdp._evaluation", "jdp._checkpoint", "jdp._data", "jdp._tensorboard"],
     ["jdp._loop", "jdp.nnx"],
-    ["jdp", "jdp.launch", "jdp.demo"],
+    ["jdp", "jdp.launch", "jdp.demo", "jdp.verify"],
 ]
 
 

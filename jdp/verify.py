@@ -1,0 +1,223 @@
+"""Two runs compared step by step: ``python -m jdp.verify RUN_A RUN_B``.
+
+A run's certificate is its state fingerprints: :func:`jdp.metrics.fingerprint`
+(and, leaf by leaf, :func:`jdp.metrics.leaf_fingerprints`) logged by
+:func:`jdp.fit`, and the fingerprints every :class:`jdp.Checkpointer` records
+with a checkpoint. They hash the raw bits of the logical state, so in exact
+mode a run on one device and a run on eight print the same numbers, and the
+first step whose numbers differ is the first step whose state differs.
+
+``RUN_A`` and ``RUN_B`` are checkpoint folders written by ``jdp.fit``. The
+comparison reads the histories saved with their newest checkpoints (the
+first logged step whose fingerprint differs, and the leaves that differ
+there when per-leaf fingerprints were logged) and the fingerprints of every
+checkpoint both runs hold (the leaves that differ at the first checkpoint
+that differs). It exits 0 when the runs agree wherever both recorded a
+fingerprint, 1 when they differ, 2 when there is nothing to compare.
+"""
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jdp._checkpoint import Checkpointer
+from jdp._loop import History
+
+__all__ = ["Difference", "Report", "compare_checkpoints", "compare_histories", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Difference:
+    """Where two runs first differ.
+
+    Attributes:
+      step: the first step whose state fingerprint differs.
+      leaves: the leaves whose fingerprints differ at that step, in tree
+        order (empty where per-leaf fingerprints were not recorded).
+      agreed: how many earlier steps were compared and agreed.
+      source: ``"history"`` (fingerprints ``jdp.fit`` logged) or
+        ``"checkpoint"`` (fingerprints recorded with the checkpoints).
+    """
+
+    step: int
+    leaves: tuple[str, ...]
+    agreed: int
+    source: str
+
+
+def compare_histories(
+    a: History, b: History, *, leaf_names: Sequence[str] | None = None
+) -> Difference | None:
+    """The first logged step whose ``fingerprint`` differs between two runs, or None.
+
+    Args:
+      a: one run's :class:`jdp.History` (its steps logged the
+        ``fingerprint`` metric).
+      b: the other's.
+      leaf_names: names for the rows of ``leaf_fingerprints`` (the leaves'
+        paths in tree order); default ``"leaf i"``.
+
+    Raises:
+      ValueError: the histories share no step with a logged fingerprint.
+
+    Example:
+      >>> import jdp, jdp.verify
+      >>> a = jdp.History(train=[{"step": 1, "fingerprint": [1, 2]},
+      ...                        {"step": 2, "fingerprint": [3, 4]}])
+      >>> b = jdp.History(train=[{"step": 1, "fingerprint": [1, 2]},
+      ...                        {"step": 2, "fingerprint": [3, 5]}])
+      >>> jdp.verify.compare_histories(a, b)
+      Difference(step=2, leaves=(), agreed=1, source='history')
+    """
+    rows_a, rows_b = _fingerprinted(a), _fingerprinted(b)
+    common = sorted(set(rows_a) & set(rows_b))
+    if not common:
+        raise ValueError(
+            "compare_histories: the two histories share no step with a logged fingerprint; "
+            "train both with make_train_step(..., metrics=[jdp.metrics.fingerprint()]) and "
+            "the same log_every."
+        )
+    for agreed, step in enumerate(common):
+        row_a, row_b = rows_a[step], rows_b[step]
+        if row_a["fingerprint"] != row_b["fingerprint"]:
+            return Difference(step, _leaf_difference(row_a, row_b, leaf_names), agreed, "history")
+    return None
+
+
+def compare_checkpoints(run_a: str | pathlib.Path, run_b: str | pathlib.Path) -> "Report":
+    """Compares two checkpoint folders written by ``jdp.fit``: their histories and checkpoints.
+
+    Raises:
+      FileNotFoundError: a folder is missing or holds no checkpoint.
+    """
+    ckpt_a, ckpt_b = (_open(run) for run in (run_a, run_b))
+    prints_a, prints_b = _recorded(ckpt_a), _recorded(ckpt_b)
+    common = sorted(set(prints_a) & set(prints_b))
+    names = list(prints_a[common[-1]]["leaves"]) if common else None
+    histories = [_saved_history(ckpt) for ckpt in (ckpt_a, ckpt_b)]
+    try:
+        history, compared = compare_histories(*histories, leaf_names=names), True
+    except ValueError:  # no fingerprint logged at a common step
+        history, compared = None, False
+    at_checkpoint = None
+    for agreed, step in enumerate(common):
+        fa, fb = prints_a[step], prints_b[step]
+        if fa["state"] != fb["state"]:
+            leaves = tuple(p for p, v in fa["leaves"].items() if fb["leaves"].get(p) != v)
+            at_checkpoint = Difference(step, leaves, agreed, "checkpoint")
+            break
+    return Report(history, at_checkpoint, common, compared)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`compare_checkpoints` found.
+
+    Attributes:
+      history: the first logged step that differs, or None.
+      checkpoint: the first checkpoint both runs hold whose fingerprint
+        differs, or None.
+      checkpoints: the checkpoint steps both runs hold with fingerprints.
+      history_compared: whether both histories logged a fingerprint at a
+        common step.
+    """
+
+    history: Difference | None
+    checkpoint: Difference | None
+    checkpoints: list[int]
+    history_compared: bool
+
+    @property
+    def identical(self) -> bool:
+        """Whether the runs agree wherever both recorded a fingerprint."""
+        return self.history is None and self.checkpoint is None
+
+
+def _fingerprinted(history: History) -> dict[int, dict[str, Any]]:
+    return {row["step"]: row for row in history.train if "fingerprint" in row}
+
+
+def _leaf_difference(row_a, row_b, names: Sequence[str] | None) -> tuple[str, ...]:
+    leaves_a, leaves_b = row_a.get("leaf_fingerprints"), row_b.get("leaf_fingerprints")
+    if leaves_a is None or leaves_b is None or len(leaves_a) != len(leaves_b):
+        return ()
+    names = list(names) if names is not None and len(names) == len(leaves_a) else None
+    return tuple(
+        names[i] if names else f"leaf {i}"
+        for i, (x, y) in enumerate(zip(leaves_a, leaves_b, strict=True))
+        if x != y
+    )
+
+
+def _recorded(ckpt: Checkpointer) -> dict[int, dict[str, Any]]:
+    """Each checkpoint's fingerprints, for the checkpoints that recorded them."""
+    prints = {step: ckpt.fingerprints(step) for step in ckpt.all_steps()}
+    return {step: p for step, p in prints.items() if p is not None}
+
+
+def _saved_history(ckpt: Checkpointer) -> History:
+    """The History ``jdp.fit`` saved with the newest checkpoint (empty if none was)."""
+    saved = ckpt.extra().get("history") or {}
+    return History(**{f.name: list(saved.get(f.name, [])) for f in dataclasses.fields(History)})
+
+
+def _open(run: str | pathlib.Path) -> Checkpointer:
+    path = pathlib.Path(run)
+    if not path.is_dir():
+        raise FileNotFoundError(f"jdp.verify: {path} is not a checkpoint folder.")
+    # max_to_keep=None: opening a folder to read it must never delete a checkpoint.
+    ckpt = Checkpointer(path, max_to_keep=None)
+    if not ckpt.all_steps():
+        raise FileNotFoundError(f"jdp.verify: no checkpoint in {path}.")
+    return ckpt
+
+
+def _describe(d: Difference) -> list[str]:
+    where = "a logged step" if d.source == "history" else "a checkpoint"
+    lines = [f"  first differ at step {d.step} ({where}; the {d.agreed} compared before agree)"]
+    if d.leaves:
+        more = f", and {len(d.leaves) - 5} more" if len(d.leaves) > 5 else ""
+        lines.append(
+            f"  leaves that differ there ({len(d.leaves)}): {', '.join(d.leaves[:5])}{more}"
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jdp.verify RUN_A RUN_B``: prints where two runs first differ; returns the status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m jdp.verify", description=(__doc__ or "").split("\n\n")[0]
+    )
+    parser.add_argument("run_a", help="a checkpoint folder written by jdp.fit")
+    parser.add_argument("run_b", help="another one")
+    args = parser.parse_args(argv)
+    try:
+        report = compare_checkpoints(args.run_a, args.run_b)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if not report.history_compared and not report.checkpoints:
+        print(
+            "jdp.verify: nothing to compare: no step has a fingerprint in both runs (log "
+            "jdp.metrics.fingerprint() with jdp.fit, or checkpoint both at the same steps).",
+            file=sys.stderr,
+        )
+        return 2
+    header = f"jdp.verify: {args.run_a} and {args.run_b}"
+    if report.identical:
+        logged = "compared" if report.history_compared else "not logged"
+        print(f"{header} agree wherever both recorded a fingerprint.")
+        print(f"  logged fingerprints: {logged}; checkpoints compared: {report.checkpoints}")
+        return 0
+    print(f"{header} differ.")
+    for difference in (report.history, report.checkpoint):
+        if difference is not None:
+            print("\n".join(_describe(difference)))
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
