@@ -153,11 +153,16 @@ def browser(site):
 
 
 def test_every_page_loads_without_a_console_error(site, browser):
+    from selenium.webdriver.support.ui import WebDriverWait
+
     driver, base = browser
     errors = []
     for path in _pages(site):
         driver.get(base + path.relative_to(site).as_posix())
-        assert driver.execute_script("return document.readyState") == "complete"
+        # get() can return while the page still loads on a loaded machine (seen in CI).
+        WebDriverWait(driver, 60).until(
+            lambda d: d.execute_script("return document.readyState") == "complete"
+        )
         errors += [
             f"{path.relative_to(site)}: {entry['message']}"
             for entry in driver.get_log("browser")
