@@ -93,11 +93,11 @@ def compare_checkpoints(run_a: str | pathlib.Path, run_b: str | pathlib.Path) ->
     Raises:
       FileNotFoundError: a folder is missing or holds no checkpoint.
     """
-    ckpt_a, ckpt_b = (_open(run) for run in (run_a, run_b))
-    prints_a, prints_b = _recorded(ckpt_a), _recorded(ckpt_b)
+    with _open(run_a) as ckpt_a, _open(run_b) as ckpt_b:
+        prints_a, prints_b = _recorded(ckpt_a), _recorded(ckpt_b)
+        histories = [_saved_history(ckpt) for ckpt in (ckpt_a, ckpt_b)]
     common = sorted(set(prints_a) & set(prints_b))
     names = list(prints_a[common[-1]]["leaves"]) if common else None
-    histories = [_saved_history(ckpt) for ckpt in (ckpt_a, ckpt_b)]
     try:
         history, compared = compare_histories(*histories, leaf_names=names), True
     except ValueError:  # no fingerprint logged at a common step
@@ -171,6 +171,7 @@ def _open(run: str | pathlib.Path) -> Checkpointer:
     # max_to_keep=None: opening a folder to read it must never delete a checkpoint.
     ckpt = Checkpointer(path, max_to_keep=None)
     if not ckpt.all_steps():
+        ckpt.close()
         raise FileNotFoundError(f"jdp.verify: no checkpoint in {path}.")
     return ckpt
 

@@ -97,6 +97,9 @@ def test_verify_names_the_step_and_the_leaf_a_fault_hit(runs, capsys):
 def test_verify_refuses_what_it_cannot_compare(tmp_path, capsys):
     assert jdp.verify.main([str(tmp_path / "missing"), str(tmp_path)]) == 2
     assert "is not a checkpoint folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert jdp.verify.main([str(tmp_path / "empty"), str(tmp_path / "empty")]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
     with pytest.raises(ValueError, match="share no step with a logged fingerprint"):
         jdp.verify.compare_histories(jdp.History(), jdp.History())
     state = jdp.TrainState.create(params=np.ones(3, np.float32), tx=optax.sgd(0.1))
