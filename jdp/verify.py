@@ -92,6 +92,18 @@ def compare_checkpoints(run_a: str | pathlib.Path, run_b: str | pathlib.Path) ->
 
     Raises:
       FileNotFoundError: a folder is missing or holds no checkpoint.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, optax, jdp, jdp.verify
+      >>> state = jdp.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.1))
+      >>> runs = [tempfile.mkdtemp(), tempfile.mkdtemp()]
+      >>> for run, p in zip(runs, [1.0, 2.0]):
+      ...     with jdp.Checkpointer(run) as ckpt:
+      ...         ckpt.save(0, state)
+      ...         ckpt.save(1, state.replace(params=jnp.full(3, p)))
+      >>> report = jdp.verify.compare_checkpoints(*runs)
+      >>> report.checkpoint  # no history was logged; checkpoint 1 differs in one leaf
+      Difference(step=1, leaves=('.params',), agreed=1, source='checkpoint')
     """
     with _open(run_a) as ckpt_a, _open(run_b) as ckpt_b:
         prints_a, prints_b = _recorded(ckpt_a), _recorded(ckpt_b)
