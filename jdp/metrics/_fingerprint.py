@@ -68,6 +68,20 @@ def leaf_hashes(state: PyTree) -> jax.Array:
     return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
 
 
+def _split_rows(state: PyTree, axis_name: str) -> jax.Array:
+    """``(leaves, 2)``: each per-replica slice hashed at its global positions; 0 for whole leaves."""
+    index = lax.axis_index(axis_name).astype(jnp.uint32)
+    split = _layout.per_replica_leaves(state)
+    rows = []
+    for i, (x, per_replica) in enumerate(zip(jax.tree.leaves(state), split, strict=True)):
+        if not per_replica:
+            rows.append(jnp.zeros(2, jnp.uint32))
+            continue
+        words = _words(x)
+        rows.append(_leaf_hash(words, index * jnp.uint32(words.size), i))
+    return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
+
+
 def state_fingerprint(state: PyTree, axis_name: str) -> tuple[jax.Array, jax.Array]:
     """``(fingerprint, shared)`` of a state inside a step: two uint32 words each.
 
@@ -75,17 +89,8 @@ def state_fingerprint(state: PyTree, axis_name: str) -> tuple[jax.Array, jax.Arr
     value when they agree); ``shared`` covers only the leaves every replica
     holds whole, this replica's own copy, for comparing replicas.
     """
-    leaves = jax.tree.leaves(state)
-    split = _layout.per_replica_leaves(state)
-    index = lax.axis_index(axis_name).astype(jnp.uint32)
-    shared = jnp.zeros(2, jnp.uint32)
-    parts = jnp.zeros(2, jnp.uint32)
-    for i, (x, per_replica) in enumerate(zip(leaves, split, strict=True)):
-        words = _words(x)
-        if per_replica:  # this replica's slice, at its global positions
-            parts = parts + _leaf_hash(words, index * jnp.uint32(words.size), i)
-        else:
-            shared = shared + _leaf_hash(words, jnp.uint32(0), i)
+    shared = jnp.sum(leaf_hashes(state), axis=0, dtype=jnp.uint32)
+    parts = jnp.sum(_split_rows(state, axis_name), axis=0, dtype=jnp.uint32)
     return shared + lax.psum(parts, axis_name), shared
 
 
@@ -98,22 +103,10 @@ def logical_leaf_hashes(state: PyTree, axis_name: str) -> jax.Array:
     the same for every layout. They sum to :func:`state_fingerprint`'s
     fingerprint.
     """
-    leaves = jax.tree.leaves(state)
-    split = _layout.per_replica_leaves(state)
-    if not leaves:
-        return jnp.zeros((0, 2), jnp.uint32)
-    index = lax.axis_index(axis_name).astype(jnp.uint32)
-    rows = []
-    for i, (x, per_replica) in enumerate(zip(leaves, split, strict=True)):
-        words = _words(x)
-        offset = index * jnp.uint32(words.size) if per_replica else jnp.uint32(0)
-        rows.append(_leaf_hash(words, offset, i))
-    hashes = jnp.stack(rows)
-    mask = jnp.asarray(split)[:, None]
-    if not any(split):
-        return hashes
-    summed = lax.psum(jnp.where(mask, hashes, jnp.uint32(0)), axis_name)
-    return jnp.where(mask, summed, hashes)
+    own = leaf_hashes(state)
+    if not any(_layout.per_replica_leaves(state)):
+        return own
+    return own + lax.psum(_split_rows(state, axis_name), axis_name)
 
 
 @functools.cache
@@ -130,8 +123,7 @@ def host_fingerprints(tree: PyTree) -> tuple[list[int], list[list[int]]]:
     hold no per-replica leaves: pass ``jdp.unreplicate(state)``.
     """
     rows = np.asarray(_host_hashes()(tree), np.uint32).reshape(-1, 2)
-    total = rows.sum(axis=0, dtype=np.uint32) if len(rows) else np.zeros(2, np.uint32)
-    return [int(v) for v in total], rows.tolist()
+    return rows.sum(axis=0, dtype=np.uint32).tolist(), rows.tolist()
 
 
 def fingerprint() -> Metric:
