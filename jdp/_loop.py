@@ -43,6 +43,12 @@ class History:
     eval: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     resumed_at: list[int] = dataclasses.field(default_factory=list)
 
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any] | None) -> "History":
+        """A History from ``dataclasses.asdict(history)`` as a checkpoint saved it (empty: None)."""
+        saved = saved or {}
+        return cls(**{f.name: list(saved.get(f.name, [])) for f in dataclasses.fields(cls)})
+
 
 T = TypeVar("T")
 
@@ -271,8 +277,7 @@ def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTr
             RuntimeWarning,
             stacklevel=3,
         )
-    saved = extra.get("history") or {}
-    history = History(**{f.name: list(saved.get(f.name, [])) for f in dataclasses.fields(History)})
+    history = History.from_dict(extra.get("history"))
     history.resumed_at.append(step)
     return state, history
 
