@@ -72,19 +72,14 @@ def compare_histories(
       >>> jdp.verify.compare_histories(a, b)
       Difference(step=2, leaves=(), agreed=1, source='history')
     """
-    rows_a, rows_b = _fingerprinted(a), _fingerprinted(b)
-    common = sorted(set(rows_a) & set(rows_b))
-    if not common:
+    logged_a, logged_b = _logged(a, leaf_names), _logged(b, leaf_names)
+    if not set(logged_a) & set(logged_b):
         raise ValueError(
             "compare_histories: the two histories share no step with a logged fingerprint; "
             "train both with make_train_step(..., metrics=[jdp.metrics.fingerprint()]) and "
             "the same log_every."
         )
-    for agreed, step in enumerate(common):
-        row_a, row_b = rows_a[step], rows_b[step]
-        if row_a["fingerprint"] != row_b["fingerprint"]:
-            return Difference(step, _leaf_difference(row_a, row_b, leaf_names), agreed, "history")
-    return None
+    return _first_difference(logged_a, logged_b, "history")
 
 
 def compare_checkpoints(run_a: str | pathlib.Path, run_b: str | pathlib.Path) -> "Report":
@@ -109,18 +104,12 @@ def compare_checkpoints(run_a: str | pathlib.Path, run_b: str | pathlib.Path) ->
         prints_a, prints_b = _recorded(ckpt_a), _recorded(ckpt_b)
         histories = [_saved_history(ckpt) for ckpt in (ckpt_a, ckpt_b)]
     common = sorted(set(prints_a) & set(prints_b))
-    names = list(prints_a[common[-1]]["leaves"]) if common else None
+    names = list(prints_a[common[-1]][1] or {}) if common else None
     try:
         history, compared = compare_histories(*histories, leaf_names=names), True
     except ValueError:  # no fingerprint logged at a common step
         history, compared = None, False
-    at_checkpoint = None
-    for agreed, step in enumerate(common):
-        fa, fb = prints_a[step], prints_b[step]
-        if fa["state"] != fb["state"]:
-            leaves = tuple(p for p, v in fa["leaves"].items() if fb["leaves"].get(p) != v)
-            at_checkpoint = Difference(step, leaves, agreed, "checkpoint")
-            break
+    at_checkpoint = _first_difference(prints_a, prints_b, "checkpoint")
     return Report(history, at_checkpoint, common, compared)
 
 
@@ -148,32 +137,47 @@ class Report:
         return self.history is None and self.checkpoint is None
 
 
-def _fingerprinted(history: History) -> dict[int, dict[str, Any]]:
-    return {row["step"]: row for row in history.train if "fingerprint" in row}
+# Each run's record: {step: (the state's fingerprint, {leaf name: its fingerprint} or None)}.
+Record = dict[int, tuple[Any, dict[str, Any] | None]]
 
 
-def _leaf_difference(row_a, row_b, names: Sequence[str] | None) -> tuple[str, ...]:
-    leaves_a, leaves_b = row_a.get("leaf_fingerprints"), row_b.get("leaf_fingerprints")
-    if leaves_a is None or leaves_b is None or len(leaves_a) != len(leaves_b):
-        return ()
-    names = list(names) if names is not None and len(names) == len(leaves_a) else None
-    return tuple(
-        names[i] if names else f"leaf {i}"
-        for i, (x, y) in enumerate(zip(leaves_a, leaves_b, strict=True))
-        if x != y
-    )
+def _first_difference(a: Record, b: Record, source: str) -> Difference | None:
+    """The first step both records hold whose fingerprints differ, with the leaves that differ."""
+    for agreed, step in enumerate(sorted(set(a) & set(b))):
+        (print_a, leaves_a), (print_b, leaves_b) = a[step], b[step]
+        if print_a != print_b:
+            if leaves_a is None or leaves_b is None:
+                return Difference(step, (), agreed, source)
+            names = tuple(name for name, v in leaves_a.items() if leaves_b.get(name) != v)
+            return Difference(step, names, agreed, source)
+    return None
 
 
-def _recorded(ckpt: Checkpointer) -> dict[int, dict[str, Any]]:
-    """Each checkpoint's fingerprints, for the checkpoints that recorded them."""
+def _logged(history: History, names: Sequence[str] | None) -> Record:
+    """A history's record; its leaf rows named by ``names`` where they fit, else ``"leaf i"``."""
+    out: Record = {}
+    for row in history.train:
+        if "fingerprint" not in row:
+            continue
+        rows, leaves = row.get("leaf_fingerprints"), None
+        if rows is not None:
+            labels = [f"leaf {i}" for i in range(len(rows))]
+            if names is not None and len(names) == len(rows):
+                labels = list(names)
+            leaves = dict(zip(labels, rows, strict=True))
+        out[row["step"]] = (row["fingerprint"], leaves)
+    return out
+
+
+def _recorded(ckpt: Checkpointer) -> Record:
+    """The checkpoints' record, for the checkpoints that recorded fingerprints."""
     prints = {step: ckpt.fingerprints(step) for step in ckpt.all_steps()}
-    return {step: p for step, p in prints.items() if p is not None}
+    return {step: (p["state"], p["leaves"]) for step, p in prints.items() if p is not None}
 
 
 def _saved_history(ckpt: Checkpointer) -> History:
     """The History ``jdp.fit`` saved with the newest checkpoint (empty if none was)."""
-    saved = ckpt.extra().get("history") or {}
-    return History(**{f.name: list(saved.get(f.name, [])) for f in dataclasses.fields(History)})
+    return History.from_dict(ckpt.extra().get("history"))
 
 
 def _open(run: str | pathlib.Path) -> Checkpointer:
