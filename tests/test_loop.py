@@ -124,9 +124,14 @@ def test_demo_end_to_end(tmp_path):
 
     drawn = matplotlib.image.imread(tmp_path / "promises.png")
     readme = matplotlib.image.imread(pathlib.Path(__file__).parent.parent / "docs/images/demo.png")
-    assert drawn.shape == readme.shape and np.array_equal(drawn, readme), (
-        "docs/images/demo.png is not what the demo draws: run make demo"
-    )
+    # XLA:CPU compiles for the CPU's instruction set, so another kind of CPU
+    # ends the 600 steps with other bits (measured: an AVX2-only AMD EPYC
+    # redraws 0.4% of the pixels by more than a quarter of their range, one
+    # evaluation point moves by one digit). A stale image after a change of
+    # the demo moves far more (a panel, a title, the curves).
+    assert drawn.shape == readme.shape, "docs/images/demo.png is stale: run make demo"
+    moved = np.mean(np.max(np.abs(drawn - readme), axis=2) > 0.25)
+    assert moved < 0.01, f"docs/images/demo.png is stale ({moved:.1%} of pixels): run make demo"
     assert (
         json.loads((tmp_path / "result.json").read_text())["test_accuracy"]
         == result["test_accuracy"]
