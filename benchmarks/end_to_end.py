@@ -159,6 +159,7 @@ def bench(model_name, backend, n, rounds, steps):
         "model": model_name,
         "backend": backend,
         "n": n,
+        "batch": model["batch"],
         "samples_per_s": med,
         "spread": {way: (min(r), max(r)) for way, r in rates.items()},
         "fit_over_loop": med["fit"] / med["loop"],
@@ -208,6 +209,32 @@ def first_step(model_name):
     return out
 
 
+def ledger_cost(calls=100_000):
+    """Seconds fit's ledger and phase notes cost per step: what fit calls each step, timed alone."""
+    from jdp import _loop
+    from jdp._ledger import Ledger
+
+    ledger = Ledger()
+    t = time.perf_counter()
+    for _ in range(calls):  # per step: data, train (dispatch), train (after it)
+        _loop._enter(ledger, "data", 1)
+        _loop._enter(ledger, "train", 1)
+        ledger.enter("train")
+    return (time.perf_counter() - t) / calls
+
+
+def print_ledger_cost(results):
+    """The ledger's cost against the fastest fit step measured above, in the same run."""
+    fastest = max(results, key=lambda r: r["samples_per_s"]["fit"] / r["batch"])
+    step_s = fastest["batch"] / fastest["samples_per_s"]["fit"]
+    cost = statistics.median(ledger_cost() for _ in range(5))
+    print(
+        f"\nfit's time ledger: {cost * 1e6:.2f} us per step, {100 * cost / step_s:.3f}% of the "
+        f"fastest fit step above ({fastest['model']} {fastest['backend']} n={fastest['n']}: "
+        f"{step_s * 1e3:.2f} ms)"
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -241,6 +268,7 @@ def main():
                     f" {r['step_over_loop']:>9.3f}",
                     flush=True,
                 )
+    print_ledger_cost(results)
     if args.first_step:
         print("\nfirst step in a fresh process (pmap, 8 devices), seconds")
         for model in args.models:

@@ -20,6 +20,7 @@ from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
+from jdp._ledger import Ledger, Record, summary
 from jdp._replication import check_replicas_agree, gather_replicas, unreplicate
 from jdp._steps import EvalStep
 from jdp._tree import PyTree
@@ -36,18 +37,24 @@ class History:
 
     Saved with every checkpoint ``fit`` writes and restored on resume, so the
     curves of a resumed run continue; ``resumed_at`` lists the steps a run
-    resumed from.
+    resumed from. ``time`` is where the wall time went, in seconds by kind
+    (start-up, compilation, data, training, evaluation, checkpoint save and
+    restore, hooks, and across restarts the work redone, the restarts and
+    idle time between runs; ``docs/multi-host.md``), summed over every run
+    that continued this one.
     """
 
     train: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     eval: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     resumed_at: list[int] = dataclasses.field(default_factory=list)
+    time: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any] | None) -> "History":
         """A History from ``dataclasses.asdict(history)`` as a checkpoint saved it (empty: None)."""
         saved = saved or {}
-        return cls(**{f.name: list(saved.get(f.name, [])) for f in dataclasses.fields(cls)})
+        rows = {name: list(saved.get(name, [])) for name in ("train", "eval", "resumed_at")}
+        return cls(**rows, time={k: float(v) for k, v in dict(saved.get("time", {})).items()})
 
 
 T = TypeVar("T")
@@ -98,9 +105,12 @@ def fit(
         (``"train"`` every ``log_every`` steps, ``"eval"`` after each
         evaluation), ``step``, the global metrics and the per-replica lists;
         e.g. :class:`jdp.TensorBoardLogger`. ``log_every=1`` calls them every
-        step (and reads metrics back every step).
+        step (and reads metrics back every step). At each checkpoint save and
+        at the end they also get a ``"time"`` row: the wall seconds so far
+        by kind, as in ``History.time``.
       log_every: steps between metric read-backs (each waits for the device).
-      progress: show a rich progress bar with the loss and throughput.
+      progress: show a rich progress bar with the loss and throughput, and
+        at the end one line saying where the time went.
 
     Returns:
       ``(state, history)``.
@@ -109,7 +119,9 @@ def fit(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
     check_int(log_every, "log_every", minimum=1, where="fit")
-    state, history = _start(state, train_data, num_steps, checkpointer)
+    ledger = Ledger()
+    record = None if checkpointer is None else Record(checkpointer.directory, _writes())
+    state, history = _start(state, train_data, num_steps, checkpointer, ledger, record)
     check_replicas_agree(state, "fit")  # a step reused across fit calls checked only its first
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
@@ -119,42 +131,99 @@ def fit(
     )
     position = _position(train_data)
     preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
+    first = True
     with _progress_bar(progress) as bar, preemptible:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task, _rules(train_step))
         while step < num_steps:
-            _watchdog.set_phase("data loading", step + 1)
+            _enter(ledger, "startup" if first else "data", step + 1)
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
-            _watchdog.set_phase("the training step", step + 1)
+            _enter(ledger, "compile" if first else "train", step + 1)
             state, metrics = train_step(state, batch)
-            step += 1
+            step, first = step + 1, False
+            ledger.enter("train")
             # The last logged step's metrics are read now, while this step runs:
             # reading them at once would drain the device queue every log_every steps.
             rows.flush()
             rows.count(examples, metrics.get("weight"))
             if epoch is not None and on_epoch_end is not None:
+                ledger.enter("hooks")
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
                 rows.hold(step, metrics)
+                _note_time(ledger, record)
             if eval_step is not None and _due(step, num_steps, eval_every):
-                _evaluate(eval_step, eval_data, state, step, rows)
+                _evaluate(eval_step, eval_data, state, step, rows, ledger)
             if checkpointer is not None:
                 saved = _due(step, num_steps, checkpoint_every)
-                _checkpoint(train_step, checkpointer, step, saved, state, position, history, rows)
+                ckpt = (train_step, checkpointer, record, ledger)
+                _checkpoint(ckpt, step, saved, state, position, history, rows)
+        ledger.enter("train")
         rows.flush()
         _check_audit(train_step)
-    if checkpointer is not None:
-        checkpointer.wait_until_finished()
+    _finish(checkpointer, record, ledger, history, rows, step, progress)
     return state, history
 
 
+def _enter(ledger: Ledger, kind: str, step: int) -> None:
+    """Charges the time from here to ``kind`` and tells the watchdog what this process does."""
+    ledger.enter(kind)
+    _watchdog.set_phase(_PHASES[kind], step)
+
+
+_PHASES = {
+    "startup": "data loading",
+    "data": "data loading",
+    "compile": "the training step",
+    "train": "the training step",
+    "eval": "evaluation",
+    "save": "a checkpoint save",
+}
+
+
+def _note_time(ledger: Ledger, record: Record | None) -> None:
+    """The ledger so far, for the watchdog's per-process report and the file beside checkpoints."""
+    seconds = ledger.totals()
+    _watchdog.note_time(seconds)
+    if record is not None:
+        record.write(seconds)
+
+
+def _finish(checkpointer, record, ledger: Ledger, history: History, rows, step, progress) -> None:
+    """Waits for the saves, closes the ledger: in the history, the file, callbacks, printed."""
+    if checkpointer is not None:
+        ledger.enter("save")
+        checkpointer.wait_until_finished()
+    history.time = ledger.totals()
+    _watchdog.note_time(history.time)
+    if record is not None:
+        record.write(history.time, finished=True)
+    rows.notify({"split": "time", "step": step, **history.time})
+    if progress:
+        print(f"fit: where the time went, {summary(history.time)}", flush=True)
+
+
+def _writes() -> bool:
+    """Process 0 writes the ledger file (every process reads its checkpoints' folder)."""
+    return jax.process_index() == 0
+
+
 def _start(
-    state: PyTree, train_data, num_steps: int, checkpointer: Checkpointer | None
+    state: PyTree,
+    train_data,
+    num_steps: int,
+    checkpointer: Checkpointer | None,
+    ledger: Ledger,
+    record: Record | None,
 ) -> tuple[PyTree, History]:
     """The state and history to start from: the latest checkpoint's, if there is one."""
     history = History()
     if checkpointer is not None and checkpointer.latest_step() is not None:
+        ledger.enter("restore")
         state, history = _resume(checkpointer, state, train_data)
+        ledger.enter("startup")
+        if record is not None:
+            ledger.add(record.resumed(_step_of(state), history.time))
     step = _step_of(state)
     if step > num_steps:
         where = ""
@@ -168,36 +237,41 @@ def _start(
     return state, history
 
 
-def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows") -> None:
+def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows", ledger) -> None:
     rows.flush()
-    _watchdog.set_phase("evaluation", step)
+    _enter(ledger, "eval", step)
     rows.record("eval", {"step": step, **evaluate(eval_step, state, eval_data())})
 
 
-def _checkpoint(train_step, checkpointer, step: int, due: bool, state, position, history, rows):
-    """Saves when ``due`` or on a preemption every process agrees on, once the audit passed."""
+def _checkpoint(ckpt, step: int, due: bool, state, position, history, rows):
+    """Saves when ``due`` or on a preemption every process agrees on, once the audit passed.
+
+    ``ckpt``: ``(train_step, checkpointer, ledger record, ledger)``.
+    """
+    train_step, checkpointer = ckpt[:2]
     preempted = _watchdog.preemption_agreed(step)
     if due or preempted:
         _check_audit(train_step)  # a state whose replicas disagree is never saved
     if due:
-        _save(checkpointer, step, state, position, history, rows)
+        _save(ckpt, step, state, position, history, rows)
     if preempted:
-        _preempted(checkpointer, step, state, position, history, rows, due)
+        if not due:
+            _save(ckpt, step, state, position, history, rows)
+        checkpointer.wait_until_finished()
+        _watchdog.exit_preempted(step, str(checkpointer.directory))
 
 
-def _preempted(checkpointer, step, state, position, history, rows, saved: bool) -> None:
-    """SIGTERM, agreed by every process: save this step (unless just saved) and exit 75."""
-    if not saved:
-        _save(checkpointer, step, state, position, history, rows)
-    checkpointer.wait_until_finished()
-    _watchdog.exit_preempted(step, str(checkpointer.directory))
-
-
-def _save(checkpointer: Checkpointer, step: int, state, position, history: History, rows) -> None:
+def _save(ckpt, step: int, state, position, history: History, rows) -> None:
+    """Saves ``step`` with the data position and the history, its ledger as of this save."""
+    _, checkpointer, record, ledger = ckpt
     rows.flush()
+    _enter(ledger, "save", step)
+    history.time = ledger.totals()
     extra = {"data": position, "history": dataclasses.asdict(history)}
-    _watchdog.set_phase("a checkpoint save", step)
     checkpointer.save(step, state, extra=extra)
+    seconds = ledger.totals()
+    rows.notify({"split": "time", "step": step, **seconds})
+    record.write(seconds, saved=step)
 
 
 def _check_audit(train_step) -> None:
@@ -402,8 +476,11 @@ class _Rows:
 
     def record(self, split: str, row: dict[str, Any]) -> None:
         getattr(self.history, split).append(row)
+        self.notify({"split": split, **row})
+
+    def notify(self, row: dict[str, Any]) -> None:
         for callback in self.callbacks:
-            callback({"split": split, **row})
+            callback(row)
 
 
 def _rules(train_step) -> dict[str, Rule]:

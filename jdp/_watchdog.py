@@ -58,6 +58,7 @@ class _Job:
         self.watcher: threading.Thread | None = None
         self.savers = 0  # jdp.fit loops that save a checkpoint on preemption
         self.preempted_at: float | None = None
+        self.seconds: dict[str, float] = {}  # jdp.fit's ledger (jdp._ledger), as last noted
 
     def who(self) -> str:
         return f"process {self.index} of {self.count} on {self.host}"
@@ -125,6 +126,13 @@ def note_step() -> None:
     if job is not None:
         job.calls += 1
         job.last_call = time.monotonic()
+
+
+def note_time(seconds: dict[str, float]) -> None:
+    """This process's ledger so far (``jdp.fit``), published with its progress."""
+    job = _JOB
+    if job is not None:
+        job.seconds = seconds
 
 
 def set_phase(name: str, step: int | None = None) -> None:
