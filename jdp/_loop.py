@@ -151,7 +151,7 @@ def fit(
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
                 rows.hold(step, metrics)
-                _note_time(ledger, record)
+                _note_time(ledger, record, step)
             if eval_step is not None and _due(step, num_steps, eval_every):
                 _evaluate(eval_step, eval_data, state, step, rows, ledger)
             if checkpointer is not None:
@@ -181,10 +181,10 @@ _PHASES = {
 }
 
 
-def _note_time(ledger: Ledger, record: Record | None) -> None:
+def _note_time(ledger: Ledger, record: Record | None, step: int) -> None:
     """The ledger so far, for the watchdog's per-process report and the file beside checkpoints."""
     seconds = ledger.totals()
-    _watchdog.note_time(seconds)
+    _watchdog.note_time(step, seconds)
     if record is not None:
         record.write(seconds)
 
@@ -195,7 +195,6 @@ def _finish(checkpointer, record, ledger: Ledger, history: History, rows, step, 
         ledger.enter("save")
         checkpointer.wait_until_finished()
     history.time = ledger.totals()
-    _watchdog.note_time(history.time)
     if record is not None:
         record.write(history.time, finished=True)
     rows.notify({"split": "time", "step": step, **history.time})

@@ -22,6 +22,8 @@ Nothing here changes what a step computes; it only decides when to stop.
 import atexit
 import contextlib
 import os
+import queue
+import re
 import signal
 import socket
 import sys
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from jdp import _jax_private
+from jdp._pace import Pace, Sample, report
 
 DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
 EXIT_FAILED, EXIT_TERMINATED, EXIT_PREEMPTED = 1, 143, 75  # 75: EX_TEMPFAIL, "run me again"
@@ -58,10 +61,16 @@ class _Job:
         self.watcher: threading.Thread | None = None
         self.savers = 0  # jdp.fit loops that save a checkpoint on preemption
         self.preempted_at: float | None = None
-        self.seconds: dict[str, float] = {}  # jdp.fit's ledger (jdp._ledger), as last noted
+        self.pace = Pace()  # process 0: who is slower than its peers (jdp._pace)
+        self.results: queue.SimpleQueue | None = queue.SimpleQueue() if self.count > 1 else None
+        self.finished_steps = 0  # step calls whose results the device finished
 
     def who(self) -> str:
         return f"process {self.index} of {self.count} on {self.host}"
+
+    def status(self) -> str:
+        """What this process publishes as its progress."""
+        return f"{self.calls} step calls ({self.finished_steps} finished), {self.doing()}"
 
     def doing(self) -> str:
         if self.phase is None:
@@ -82,9 +91,10 @@ class _Job:
         except Exception:
             return None
 
-    def progress(self) -> dict[int, str]:
+    def entries(self, folder: str) -> dict[int, str]:
+        """Each process's value under ``folder`` (``progress/``, ``time/``), by process index."""
         try:
-            entries = self.client.key_value_dir_get(_PREFIX + "progress/")
+            entries = self.client.key_value_dir_get(_PREFIX + folder)
         except Exception:
             return {}
         return {int(key.rsplit("/", 1)[-1]): value for key, value in entries}
@@ -113,11 +123,35 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
         sys.excepthook = _finishing(before_exit)
         return
     sys.excepthook = _on_exception
+    _JOB.publish(f"host/{_JOB.index}", _JOB.host)
+    threading.Thread(target=_count_finished, args=(_JOB,), name="jdp-finished", daemon=True).start()
     _JOB.watcher = threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True)
     _JOB.watcher.start()
     # Registered after JAX's own shutdown hook, so it runs first: a process that
     # finished says so before it waits in JAX's shutdown barrier.
     atexit.register(_finish)
+
+
+def note_result(result: Any) -> None:
+    """A step call's result (a few small arrays): a thread counts when the device finishes it.
+
+    Several processes only. Waiting happens in that thread, so dispatch never
+    waits; the count tells a process whose device is behind from its peers.
+    """
+    job = _JOB
+    if job is not None and job.results is not None:
+        job.results.put(result)
+
+
+def _count_finished(job: "_Job") -> None:
+    import jax
+
+    assert job.results is not None
+    while True:
+        result = job.results.get()
+        with contextlib.suppress(Exception):  # a failed step is the main thread's to report
+            jax.block_until_ready(result)
+        job.finished_steps += 1
 
 
 def note_step() -> None:
@@ -128,11 +162,33 @@ def note_step() -> None:
         job.last_call = time.monotonic()
 
 
-def note_time(seconds: dict[str, float]) -> None:
-    """This process's ledger so far (``jdp.fit``), published with its progress."""
+def note_time(step: int, seconds: dict[str, float]) -> None:
+    """This process's ledger at a logged step (``jdp.fit``): published; process 0 compares.
+
+    One key-value write per logged step (process 0 also reads every
+    process's), no collective: the device never waits for it.
+    """
     job = _JOB
-    if job is not None:
-        job.seconds = seconds
+    if job is None or job.count < 2:
+        return
+    job.publish(f"time/{job.index}", Sample(step, seconds["data"], sum(seconds.values())).encode())
+    if job.index != 0:
+        return
+    samples = {i: Sample.decode(text) for i, text in job.entries("time/").items()}
+    named = job.pace.observe({i: s for i, s in samples.items() if s is not None})
+    if named is not None:
+        index, windows = named
+        sys.stderr.write(f"[jdp] {report(index, _describe(index, job), windows)}\n")
+        sys.stderr.flush()
+
+
+def _describe(index: int, job: "_Job") -> str:
+    """``process i of n on host (devices ...)``, the host as the process published it."""
+    import jax
+
+    devices = [d.id for d in jax.devices() if d.process_index == index]
+    host = job.read(f"host/{index}") or "its host"
+    return f"process {index} of {job.count} on {host} (devices {', '.join(map(str, devices))})"
 
 
 def set_phase(name: str, step: int | None = None) -> None:
@@ -273,7 +329,7 @@ def _watch(job: _Job) -> None:
     """
     period = min(2.0, job.deadline / 4)
     while not job.stopped.wait(period):
-        job.publish(f"progress/{job.index}", f"{job.calls} step calls, {job.doing()}")
+        job.publish(f"progress/{job.index}", job.status())
         failed = job.read("failed")
         if failed is not None and not failed.startswith(job.who()):
             job.exit(EXIT_FAILED, f"{job.who()}: ending the job because {failed}")
@@ -282,16 +338,42 @@ def _watch(job: _Job) -> None:
 
 
 def _stalled(job: _Job) -> None:
-    others = {i: s for i, s in job.progress().items() if i != job.index}
-    missing = [i for i in range(job.count) if i != job.index and i not in others]
-    lines = [f"process {i}: {s}" for i, s in sorted(others.items())]
-    lines += [f"process {i}: never reported" for i in missing]
+    progress = job.entries("progress/")
+    progress[job.index] = job.status()
+    lines = [f"process {i}: {progress.get(i, 'never reported')}" for i in range(job.count)]
     report = (
         f"{job.who()} made no step call for {job.deadline:.0f} s "
-        f"(in {job.doing()}): it waits for the others. " + "; ".join(lines)
+        f"(in {job.doing()}): {_verdict(progress, job.count)}. " + "; ".join(lines)
     )
     job.publish("failed", report)
     job.exit(EXIT_FAILED, report + ". Ending the job (deadline: JDP_TIMEOUT or timeout=).")
+
+
+def _verdict(progress: dict[int, str], count: int) -> str:
+    """Who the job waits for, from each process's published step calls and finished steps."""
+    counts = {i: _counts(progress.get(i)) for i in range(count)}
+    running = {i: c for i, c in counts.items() if c is not None}
+    if len(running) < count:
+        done = sorted(set(range(count)) - set(running))
+        return f"it waits for process(es) {done}, which finished or never reported"
+    for k, what in ((0, "step calls"), (1, "finished steps")):
+        fewest = min(c[k] for c in running.values())
+        behind = sorted(i for i, c in running.items() if c[k] == fewest)
+        if len(behind) < count:
+            return f"the job waits for process(es) {behind}, behind at {fewest} {what}"
+    return (
+        f"every process made and finished as many steps ({fewest}), so the job hangs inside "
+        "one step on every process (a collective that some process's device never reached)"
+    )
+
+
+def _counts(entry: str | None) -> tuple[int, int] | None:
+    """``(calls, finished)`` of a running process's published status (None: finished, unknown)."""
+    match = None if entry is None else _STATUS.match(entry)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+_STATUS = re.compile(r"(\d+) step calls \((\d+) finished\)")
 
 
 def _finish() -> None:

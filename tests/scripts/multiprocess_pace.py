@@ -1,0 +1,84 @@
+"""A job with a slow or a hung process, for tests/test_pace.py and benchmarks/pace.py.
+
+python tests/scripts/multiprocess_pace.py MODE STEPS SLOWDOWN   (under jdp.launch, srun, ...)
+
+Trains an MLP of 2.1M parameters with fit, logging every 10 steps. MODE:
+
+- ``slow``: from step 21 the last process's data loader sleeps SLOWDOWN times
+  its own mean step time over steps 6-20 before each batch (0.1: 10% slower);
+- ``clean``: no process sleeps;
+- ``hang-data``: the last process's data loader blocks for good before the
+  batch of step 8, while its Python (and jdp's watchdog) stays alive;
+- ``hang-step``: inside the step of step 8, the last process's loss calls a
+  host callback that blocks for good: its step never reaches the all-reduce
+  the others wait in.
+"""
+
+import itertools
+import sys
+import threading
+import time
+
+import jdp.distributed
+
+jdp.distributed.initialize()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import jdp  # noqa: E402
+
+SIZES = (512, 1024, 1024, 512)
+FOREVER = threading.Event()  # never set: a wait that does not end, the process alive
+
+
+def hang(*_):
+    print(f"hanging at {time.time()}", file=sys.stderr, flush=True)
+    FOREVER.wait()
+
+
+def params():
+    r = np.random.RandomState(0)
+    return [
+        jnp.asarray(r.randn(a, b) / np.sqrt(a), jnp.float32) for a, b in itertools.pairwise(SIZES)
+    ]
+
+
+def loss(ws, batch, hang_at=None):
+    h = batch["x"]
+    if hang_at is not None:  # the last process's host callback blocks at that step
+        jax.debug.callback(lambda s: hang() if int(s) == hang_at else None, batch["step"][0])
+    for w in ws[:-1]:
+        h = jnp.tanh(h @ w)
+    return jnp.mean((h @ ws[-1] - batch["y"]) ** 2)
+
+
+def batches(mode, last, slowdown):
+    r = np.random.RandomState(jax.process_index())
+    x = r.randn(64, SIZES[0]).astype(np.float32)
+    y = r.randn(64, SIZES[-1]).astype(np.float32)
+    times = []
+    for step in range(1, 10**9):
+        times.append(time.perf_counter())
+        if mode == "slow" and last and step > 20:
+            time.sleep(slowdown * (times[19] - times[5]) / 14)
+        if mode == "hang-data" and last and step == 8:
+            hang()
+        yield {"x": x, "y": y, "step": np.full(64, step, np.int32)}
+
+
+def main(mode, steps, slowdown):
+    last = jax.process_index() == jax.process_count() - 1
+    hang_at = 8 if mode == "hang-step" and last else None
+    step = jdp.pmap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at)))
+    state = step.replicate(jdp.TrainState.create(params=params(), tx=optax.adam(1e-4)))
+    jdp.fit(
+        step, state, batches(mode, last, slowdown), num_steps=steps, log_every=10, progress=False
+    )
+    print("finished", jax.process_index(), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))

@@ -1,0 +1,181 @@
+"""See the job: the process that sets the pace, and the one a hung job waits for, named.
+
+The rules on synthetic timings (exact), then 2-process x 2-device jobs with a
+slowed or hung process (tests/scripts/multiprocess_pace.py).
+"""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from jdp import _pace, _watchdog
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
+STEP = 0.1  # seconds per step in the synthetic timings
+
+
+def feed(pace, data_per_step, windows, start=0, noise=None, rng=None):
+    """Feeds ``windows`` windows of 10 steps; returns the windows after which someone was named."""
+    named = []
+    for w in range(start, start + windows):
+        samples = {}
+        for i, extra in enumerate(data_per_step):
+            jitter = 0.0 if noise is None else rng.uniform(0, noise * STEP)
+            last = pace.last.get(i, _pace.Sample(0, 0.0, 0.0))
+            samples[i] = _pace.Sample(
+                10 * (w + 1), last.data + 10 * (extra + jitter), last.total + 10 * STEP
+            )
+        if pace.observe(samples) is not None:
+            named.append((w, pace.named))
+    return named
+
+
+def test_a_process_ten_percent_slower_is_named_after_three_windows():
+    pace = _pace.Pace()
+    feed(pace, [0.0, 0.0, 0.0], 1)  # the first samples open the windows
+    assert feed(pace, [0.0, 0.0, 0.1 * STEP], 5, start=1) == [(3, 2)]
+
+
+def test_noise_and_a_slowdown_of_everyone_name_no_one():
+    rng = np.random.default_rng(0)
+    pace = _pace.Pace()  # 2,000 windows of jitter up to 4% of a step on every process
+    assert feed(pace, [0.0, 0.0, 0.0, 0.0], 2000, noise=0.04, rng=rng) == []
+    pace = _pace.Pace()  # all four wait 30% of each step for data: no one sets the pace
+    assert feed(pace, [0.3 * STEP] * 4, 50) == []
+
+
+def test_a_slow_process_named_again_only_after_it_recovered():
+    pace = _pace.Pace()
+    feed(pace, [0.0, 0.0], 1)
+    assert feed(pace, [0.0, 0.2 * STEP], 10, start=1) == [(3, 1)]  # named once
+    assert feed(pace, [0.0, 0.0], 2, start=11) == []
+    assert feed(pace, [0.2 * STEP, 0.0], 3, start=13) == [(15, 0)]
+
+
+def test_the_report_says_who_and_how_much():
+    windows = {0: _pace.Window((41, 50), 0.002, 0.1), 1: _pace.Window((41, 50), 0.012, 0.1)}
+    line = _pace.report(1, "process 1 of 2 on h (devices 2, 3)", windows)
+    assert line.startswith(
+        "process 1 of 2 on h (devices 2, 3) sets the job's pace: it waited 12.0 ms"
+    )
+    assert "its peers 2.0 ms, of 100.0 ms per step" in line and "10% of every step" in line
+
+
+@pytest.mark.parametrize(
+    "progress, verdict",
+    [
+        (
+            {0: "9 step calls (7 finished), x", 1: "6 step calls (5 finished), y"},
+            "the job waits for process(es) [1], behind at 6 step calls",
+        ),
+        (
+            {0: "9 step calls (7 finished), x", 1: "9 step calls (6 finished), y"},
+            "the job waits for process(es) [1], behind at 6 finished steps",
+        ),
+        (
+            {0: "9 step calls (7 finished), x", 1: "finished after 9 step calls"},
+            "it waits for process(es) [1], which finished or never reported",
+        ),
+        (
+            {0: "9 step calls (7 finished), x"},
+            "it waits for process(es) [1], which finished or never reported",
+        ),
+        (
+            {0: "9 step calls (7 finished), x", 1: "9 step calls (7 finished), y"},
+            "every process made and finished as many steps (7)",
+        ),
+    ],
+)
+def test_a_stall_names_the_process_behind(progress, verdict):
+    assert _watchdog._verdict(progress, 2).startswith(verdict)
+
+
+def launch(mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch"):
+    """Runs the 2 x 2 job; ``(return code, stderr, when it ended)``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["PYTHONPATH"] = str(ROOT)
+    args = [SCRIPT, mode, str(steps), str(slowdown)]
+    if launcher == "jdp.launch":
+        cmd = [
+            sys.executable,
+            "-m",
+            "jdp.launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "2",
+            "--timeout",
+            str(timeout),
+            *args,
+        ]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        return run.returncode, run.stderr, time.time()
+    with socket.socket() as s:  # a Kubernetes Indexed Job's variables
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            env=env
+            | {
+                "JAX_COORDINATOR_ADDRESS": address,
+                "JAX_NUM_PROCESSES": "2",
+                "JOB_COMPLETION_INDEX": str(i),
+                "JDP_CPU_DEVICES_PER_PROCESS": "2",
+                "JDP_TIMEOUT": str(timeout),
+            },
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    return max(abs(p.returncode) for p in procs), "\n".join(errs), time.time()
+
+
+def hung_at(err):
+    return float(re.search(r"hanging at ([\d.]+)", err).group(1))
+
+
+def test_a_process_slowed_ten_percent_in_its_data_is_named_within_50_steps():
+    code, err, _ = launch("slow", 90, slowdown=0.1)
+    assert code == 0, err[-3000:]
+    found = re.search(
+        r"process 1 of 2 on (\S+) \(devices [\d, ]+\) sets the job's pace: it "
+        r"waited [\d.]+ ms per step for its data in steps \d+-(\d+)",
+        err,
+    )
+    assert found is not None, err[-3000:]
+    assert found.group(1) == socket.gethostname() and int(found.group(2)) <= 20 + 50
+
+
+def test_a_clean_job_names_no_one():
+    code, err, _ = launch("clean", 150)
+    assert code == 0, err[-3000:]
+    assert "sets the job's pace" not in err, err[-3000:]
+
+
+@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset"])
+def test_a_process_hung_in_its_data_is_named_and_ends_the_job(launcher):
+    code, err, ended = launch("hang-data", 100, timeout=10, launcher=launcher)
+    assert code != 0, err[-3000:]
+    assert ended - hung_at(err) <= 10 + 10, err[-3000:]
+    assert "made no step call for 10 s" in err, err[-3000:]
+    assert "the job waits for process(es) [1], behind at" in err, err[-3000:]
+    assert "process 1: 6 step calls" in err and "data loading at step 7" in err, err[-3000:]
+
+
+def test_a_job_hung_inside_a_step_ends_within_the_deadline_and_says_where():
+    code, err, ended = launch("hang-step", 100, timeout=10)
+    assert code != 0, err[-3000:]
+    assert ended - hung_at(err) <= 10 + 10, err[-3000:]
+    assert "so the job hangs inside one step on every process" in err, err[-3000:]
