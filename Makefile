@@ -80,6 +80,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/torch_ddp.py
 	$(PY) benchmarks/exact_cost.py
 	$(PY) benchmarks/audit.py
+	$(PY) benchmarks/pace.py
 	$(PY) benchmarks/import_time.py
 
 clean:
