@@ -44,6 +44,7 @@ class Ledger:
     def __init__(self, seconds: Mapping[str, float] | None = None, kind: str = "startup"):
         self.seconds = {k: 0.0 for k in KINDS} | dict(seconds or {})
         self.kind, self._since = kind, time.perf_counter()
+        self.started = time.time()  # wall clock: where a gap since an earlier run ends
 
     def enter(self, kind: str) -> None:
         now = time.perf_counter()
@@ -80,10 +81,14 @@ class Record:
         self.path, self.writer = directory / FILE, writer
         self.saves: dict[str, dict[str, float]] = {}
 
-    def resumed(self, step: int, saved: Mapping[str, float] | None) -> dict[str, float]:
+    def resumed(
+        self, step: int, saved: Mapping[str, float] | None, started: float
+    ) -> dict[str, float]:
         """The ledger to continue from after restoring checkpoint ``step``.
 
-        ``saved``: the ledger the checkpoint's history holds (None: none).
+        ``saved``: the ledger the checkpoint's history holds (None: none);
+        ``started``: when this run's ledger started (``time.time()``), where
+        the gap since the earlier run's last record ends.
         """
         before = self._read()
         base = dict(before.get("saves", {}).get(str(step)) or saved or {})
@@ -92,7 +97,7 @@ class Record:
             return base
         base["redone"] = base.get("redone", 0.0) + max(total(before["seconds"]) - total(base), 0)
         gap = "idle" if before.get("finished") else "restart"
-        base[gap] = base.get(gap, 0.0) + max(time.time() - before["wall"], 0.0)
+        base[gap] = base.get(gap, 0.0) + max(started - before["wall"], 0.0)
         return base
 
     def write(self, seconds: Mapping[str, float], *, saved: int | None = None, finished=False):

@@ -105,9 +105,8 @@ def fit(
         (``"train"`` every ``log_every`` steps, ``"eval"`` after each
         evaluation), ``step``, the global metrics and the per-replica lists;
         e.g. :class:`jdp.TensorBoardLogger`. ``log_every=1`` calls them every
-        step (and reads metrics back every step). At each checkpoint save and
-        at the end they also get a ``"time"`` row: the wall seconds so far
-        by kind, as in ``History.time``.
+        step (and reads metrics back every step). A train row's ``time`` is
+        the wall seconds so far by kind, as in ``History.time``.
       log_every: steps between metric read-backs (each waits for the device).
       progress: show a rich progress bar with the loss and throughput, and
         at the end one line saying where the time went.
@@ -150,8 +149,7 @@ def fit(
                 ledger.enter("hooks")
                 state = _run_hook(on_epoch_end, epoch, state)
             if step % log_every == 0 or step == num_steps:
-                rows.hold(step, metrics)
-                _note_time(ledger, record, step)
+                rows.hold(step, metrics, _note_time(ledger, record, step))
             if eval_step is not None and _due(step, num_steps, eval_every):
                 _evaluate(eval_step, eval_data, state, step, rows, ledger)
             if checkpointer is not None:
@@ -161,7 +159,7 @@ def fit(
         ledger.enter("train")
         rows.flush()
         _check_audit(train_step)
-    _finish(checkpointer, record, ledger, history, rows, step, progress)
+    _finish(checkpointer, record, ledger, history, progress)
     return state, history
 
 
@@ -181,23 +179,23 @@ _PHASES = {
 }
 
 
-def _note_time(ledger: Ledger, record: Record | None, step: int) -> None:
-    """The ledger so far, for the watchdog's per-process report and the file beside checkpoints."""
+def _note_time(ledger: Ledger, record: Record | None, step: int) -> dict[str, float]:
+    """The ledger so far: for the row, the watchdog's per-process report, the file."""
     seconds = ledger.totals()
     _watchdog.note_time(step, seconds)
     if record is not None:
         record.write(seconds)
+    return seconds
 
 
-def _finish(checkpointer, record, ledger: Ledger, history: History, rows, step, progress) -> None:
-    """Waits for the saves, closes the ledger: in the history, the file, callbacks, printed."""
+def _finish(checkpointer, record, ledger: Ledger, history: History, progress: bool) -> None:
+    """Waits for the saves, closes the ledger: in the history, the file, printed."""
     if checkpointer is not None:
         ledger.enter("save")
         checkpointer.wait_until_finished()
     history.time = ledger.totals()
     if record is not None:
         record.write(history.time, finished=True)
-    rows.notify({"split": "time", "step": step, **history.time})
     if progress:
         print(f"fit: where the time went, {summary(history.time)}", flush=True)
 
@@ -222,7 +220,7 @@ def _start(
         state, history = _resume(checkpointer, state, train_data)
         ledger.enter("startup")
         if record is not None:
-            ledger.add(record.resumed(_step_of(state), history.time))
+            ledger.add(record.resumed(_step_of(state), history.time, ledger.started))
     step = _step_of(state)
     if step > num_steps:
         where = ""
@@ -268,9 +266,7 @@ def _save(ckpt, step: int, state, position, history: History, rows) -> None:
     history.time = ledger.totals()
     extra = {"data": position, "history": dataclasses.asdict(history)}
     checkpointer.save(step, state, extra=extra)
-    seconds = ledger.totals()
-    rows.notify({"split": "time", "step": step, **seconds})
-    record.write(seconds, saved=step)
+    record.write(ledger.totals(), saved=step)
 
 
 def _check_audit(train_step) -> None:
@@ -413,7 +409,7 @@ class _Rows:
         self.rules = rules
         self._diverged = False
         self._last: tuple[int, int] | None = None  # (step, skipped_steps) of the last row
-        self._held: tuple[int, dict, float, int, list] | None = None
+        self._held: tuple[int, dict, float, int, list, dict] | None = None
         self._weights: list[Any] = []
         self._tick, self._examples = time.perf_counter(), 0
 
@@ -422,21 +418,21 @@ class _Rows:
         if weight is not None:
             self._weights.append(weight)  # device arrays: summed at read time, no wait
 
-    def hold(self, step: int, metrics: dict) -> None:
+    def hold(self, step: int, metrics: dict, seconds: dict[str, float]) -> None:
         elapsed = max(time.perf_counter() - self._tick, 1e-9)
-        self._held = (step, metrics, elapsed, self._examples, self._weights)
+        self._held = (step, metrics, elapsed, self._examples, self._weights, seconds)
         self._tick, self._examples, self._weights = time.perf_counter(), 0, []
 
     def flush(self) -> None:
         if self._held is None:
             return
-        step, metrics, elapsed, examples, weights = self._held
+        step, metrics, elapsed, examples, weights, seconds = self._held
         self._held = None
         if weights:  # examples/s, or with a weighted loss weight/s (real examples, tokens)
             rate = {"weight_per_s": float(np.sum(gather_replicas(weights))) / elapsed}
         else:
             rate = {"examples_per_s": examples / elapsed}
-        row = {"step": step, **rate, **_global_metrics(metrics, self.rules)}
+        row = {"step": step, **rate, **_global_metrics(metrics, self.rules), "time": seconds}
         self._warn_if_diverged(row)
         self.record("train", row)
         self.bar.update(self.task, completed=step, status=_status(row))
@@ -475,11 +471,8 @@ class _Rows:
 
     def record(self, split: str, row: dict[str, Any]) -> None:
         getattr(self.history, split).append(row)
-        self.notify({"split": split, **row})
-
-    def notify(self, row: dict[str, Any]) -> None:
         for callback in self.callbacks:
-            callback(row)
+            callback({"split": split, **row})
 
 
 def _rules(train_step) -> dict[str, Rule]:
@@ -507,7 +500,7 @@ def _status(row: dict[str, Any]) -> str:
     return f"{shown}  {rate:.0f} {unit}"
 
 
-_BOOKKEEPING = ("split", "step", "examples_per_s", "weight_per_s", "weight", "seconds")
+_BOOKKEEPING = ("split", "step", "examples_per_s", "weight_per_s", "weight", "seconds", "time")
 
 
 def _progress_bar(enabled: bool) -> "Progress":

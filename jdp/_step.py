@@ -38,7 +38,7 @@ DEPRECATED = {
 }
 
 # What jdp.fit's history rows hold beside a step's metrics.
-ROW_KEYS = ("step", "examples_per_s", "weight_per_s")
+ROW_KEYS = ("step", "examples_per_s", "weight_per_s", "time")
 
 # The rules of the metrics every step returns: the loss, its weight and apply_gradients' own.
 _OWN_RULES = {

@@ -47,6 +47,9 @@ class TensorBoardLogger:
                 continue
             if isinstance(value, numbers.Real):
                 self._writer.add_scalar(f"{split}/{name}", float(value), row["step"])
+            elif isinstance(value, dict):  # a train row's time: seconds by kind
+                for key, seconds in value.items():
+                    self._writer.add_scalar(f"{split}/{name}/{key}", float(seconds), row["step"])
             elif _integers(value):
                 text = " ".join(str(v) for v in value)
                 self._writer.add_text(f"{split}/{name}", text, row["step"])

@@ -61,9 +61,12 @@ def test_the_buckets_add_up_to_the_wall_time_and_see_each_kind(tmp_path):
     assert 2 * 2 * EVAL_SLEEP <= seconds["eval"] <= 2 * 2 * EVAL_SLEEP + 2.0  # 2 evals x 2 batches
     assert seconds["compile"] > 0.05 and seconds["save"] > 0 and seconds["train"] > 0
     assert seconds["restore"] == seconds["redone"] == seconds["restart"] == seconds["idle"] == 0
-    time_rows = [r for r in rows if r["split"] == "time"]
-    assert [r["step"] for r in time_rows] == [10, 20, 20]  # two saves, the end
-    assert {k: time_rows[-1][k] for k in _ledger.KINDS} == seconds
+    # Each train row holds the ledger as of its step; the history's is the end's.
+    train = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert all(set(r["time"]) == set(_ledger.KINDS) for r in train)
+    totals = [_ledger.total(r["time"]) for r in train]
+    assert totals == sorted(totals) and totals[-1] < _ledger.total(seconds)
     # The file beside the checkpoints says the run finished, with the same totals.
     record = json.loads((tmp_path / _ledger.FILE).read_text())
     assert record["finished"] and record["seconds"] == seconds
@@ -112,18 +115,18 @@ def test_a_resumed_record_continues_from_the_save_it_restores(tmp_path):
     record = _ledger.Record(tmp_path, writer=True)
     record.write({"train": 6.0, "save": 1.0}, saved=10)
     record.write({"train": 9.0, "save": 1.0})  # after the save: lost if the run dies now
-    seconds = _ledger.Record(tmp_path, writer=True).resumed(10, {"train": 5.0})
+    seconds = _ledger.Record(tmp_path, writer=True).resumed(10, {"train": 5.0}, time.time())
     assert seconds["train"] == 6.0 and seconds["save"] == 1.0  # the file's snapshot wins
     assert seconds["redone"] == pytest.approx(3.0) and 0 <= seconds["restart"] < 5
     record.write({"train": 9.0, "save": 1.0}, finished=True)
-    later = _ledger.Record(tmp_path, writer=True).resumed(10, None)
+    later = _ledger.Record(tmp_path, writer=True).resumed(10, None, time.time())
     assert "restart" not in later and 0 <= later["idle"] < 5
 
 
 @pytest.mark.parametrize("content", ["", "{not json", '{"seconds": 3}', "[1, 2]"])
 def test_a_damaged_ledger_file_costs_the_lost_time_only(tmp_path, content):
     (tmp_path / _ledger.FILE).write_text(content)
-    seconds = _ledger.Record(tmp_path, writer=True).resumed(10, {"train": 5.0})
+    seconds = _ledger.Record(tmp_path, writer=True).resumed(10, {"train": 5.0}, time.time())
     assert seconds == {"train": 5.0}
 
 

@@ -30,10 +30,10 @@ def main(directory, steps, die_at):
         if row["split"] == "train" and row["step"] == die_at:
             os._exit(3)
 
-    times = {"start": time.time()}
-    with open(f"{directory}/start-{os.getpid()}.txt", "w") as f:
-        f.write(str(times["start"]))  # a run that dies writes nothing else
     with jdp.Checkpointer(f"{directory}/ckpt") as ckpt:
+        times = {"start": time.time()}
+        with open(f"{directory}/start-{os.getpid()}.txt", "w") as f:
+            f.write(str(times["start"]))  # a run that dies writes nothing else
         _, history = jdp.fit(
             step,
             state,
@@ -45,7 +45,7 @@ def main(directory, steps, die_at):
             log_every=1,
             progress=False,
         )
-    times["end"] = time.time()
+        times["end"] = time.time()
     times["ledger"] = history.time
     with open(f"{directory}/times-{os.getpid()}.json", "w") as f:
         json.dump(times, f)
