@@ -3,9 +3,17 @@ least one plot, and is saved with the outputs it produces now.
 
 ``make notebooks`` (``python tests/test_notebooks.py``) re-executes them and
 saves the outputs; a cell edited without re-saving fails here.
+
+Printed numbers are compared (to 3 significant digits) only on the kind of
+CPU that saved the notebook: XLA:CPU compiles for the instruction set it
+finds, so training that is not exact mode ends elsewhere with other
+rounding, grown by the steps (measured: notebook 04's final loss 0.00627 on
+one CPU, 0.00634 on an AVX2-only AMD EPYC). Elsewhere the words, the
+output kinds and the plots are compared.
 """
 
 import pathlib
+import platform
 import re
 import sys
 
@@ -15,6 +23,21 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def cpu_kind() -> str:
+    """The CPU model and the instruction-set extensions XLA:CPU compiles for."""
+    try:
+        info = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    isa = sorted(f for f in (flags.group(1).split() if flags else []) if f.startswith(ISA))
+    return " ".join([platform.machine(), model.group(1) if model else "", *isa]).strip()
+
+
+ISA = ("avx", "fma", "amx", "sse4", "f16c", "bmi")
 
 
 def execute(path: pathlib.Path) -> nbformat.NotebookNode:
@@ -40,10 +63,12 @@ def _text(cell) -> str:
     return "".join(o.get("text", "") for o in cell.get("outputs", []) if "text" in o)
 
 
-def _same_text(saved: str, now: str) -> bool:
-    """Equal words, numbers equal to 3 significant digits (they are printed rounded)."""
+def _same_text(saved: str, now: str, numbers: bool) -> bool:
+    """Equal words, and with ``numbers`` numbers equal to 3 significant digits (printed rounded)."""
     if NUMBER.sub("#", saved) != NUMBER.sub("#", now):
         return False
+    if not numbers:
+        return True
     pairs = zip(NUMBER.findall(saved), NUMBER.findall(now), strict=True)
     return all(abs(float(a) - float(b)) <= 1e-3 * max(abs(float(b)), 1e-6) for a, b in pairs)
 
@@ -64,13 +89,24 @@ def test_notebook_runs_plots_and_is_saved_fresh(path):
         (s, e) for s, e in zip(saved.cells, executed.cells, strict=True) if s.cell_type == "code"
     ]
     assert any("image/png" in _kinds(e) for _, e in cells), f"{path.name} draws no plot"
+    numbers = saved.metadata.get("jdp", {}).get("cpu") == cpu_kind()
     for i, (was, now) in enumerate(cells):
         where = f"{path.name}, code cell {i}: saved outputs are stale (make notebooks)"
         assert _kinds(was) == _kinds(now), where
-        assert _same_text(_text(was), _text(now)), f"{where}\n{_text(was)}\n---\n{_text(now)}"
+        same = _same_text(_text(was), _text(now), numbers)
+        assert same, f"{where}\n{_text(was)}\n---\n{_text(now)}"
+
+
+def test_numbers_count_only_where_they_were_printed():
+    assert _same_text("loss 0.00627", "loss 0.00627", numbers=True)
+    assert not _same_text("loss 0.00627", "loss 0.00634", numbers=True)
+    assert _same_text("loss 0.00627", "loss 0.00634", numbers=False)
+    assert not _same_text("loss 0.00627", "accuracy 0.00627", numbers=False)
 
 
 if __name__ == "__main__":
     for path in NOTEBOOKS if len(sys.argv) == 1 else [pathlib.Path(a) for a in sys.argv[1:]]:
-        nbformat.write(execute(path), path)
+        executed = execute(path)
+        executed.metadata["jdp"] = {"cpu": cpu_kind()}  # where its numbers were printed
+        nbformat.write(executed, path)
         print("saved", path.name)
