@@ -118,10 +118,7 @@ def fit(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
     check_int(log_every, "log_every", minimum=1, where="fit")
-    ledger = Ledger()
-    record = None if checkpointer is None else Record(checkpointer.directory, _writes())
-    state, history = _start(state, train_data, num_steps, checkpointer, ledger, record)
-    check_replicas_agree(state, "fit")  # a step reused across fit calls checked only its first
+    state, history, ledger, record = _start(state, train_data, num_steps, checkpointer)
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
     # so hooks and checkpoints see the position of the batch just trained on.
@@ -130,7 +127,7 @@ def fit(
     )
     position = _position(train_data)
     preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
-    first = True
+    first, ckpt = True, (train_step, checkpointer, record, ledger)
     with _progress_bar(progress) as bar, preemptible:
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task, _rules(train_step))
@@ -153,9 +150,8 @@ def fit(
             if eval_step is not None and _due(step, num_steps, eval_every):
                 _evaluate(eval_step, eval_data, state, step, rows, ledger)
             if checkpointer is not None:
-                saved = _due(step, num_steps, checkpoint_every)
-                ckpt = (train_step, checkpointer, record, ledger)
-                _checkpoint(ckpt, step, saved, state, position, history, rows)
+                due = _due(step, num_steps, checkpoint_every)
+                _checkpoint(ckpt, step, due, state, position, history, rows)
         ledger.enter("train")
         rows.flush()
         _check_audit(train_step)
@@ -206,14 +202,14 @@ def _writes() -> bool:
 
 
 def _start(
-    state: PyTree,
-    train_data,
-    num_steps: int,
-    checkpointer: Checkpointer | None,
-    ledger: Ledger,
-    record: Record | None,
-) -> tuple[PyTree, History]:
-    """The state and history to start from: the latest checkpoint's, if there is one."""
+    state: PyTree, train_data, num_steps: int, checkpointer: Checkpointer | None
+) -> tuple[PyTree, History, Ledger, Record | None]:
+    """The state and history to start from (the latest checkpoint's, if any) and the ledger.
+
+    The ledger starts here, so the checks and the restore are charged too.
+    """
+    ledger = Ledger()
+    record = None if checkpointer is None else Record(checkpointer.directory, _writes())
     history = History()
     if checkpointer is not None and checkpointer.latest_step() is not None:
         ledger.enter("restore")
@@ -231,7 +227,8 @@ def _start(
             f"return it unchanged. Pass num_steps >= {step}, or a fresh checkpoint directory "
             "to train from the start."
         )
-    return state, history
+    check_replicas_agree(state, "fit")  # a step reused across fit calls checked only its first
+    return state, history, ledger, record
 
 
 def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows", ledger) -> None:

@@ -124,7 +124,10 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
         return
     sys.excepthook = _on_exception
     _JOB.publish(f"host/{_JOB.index}", _JOB.host)
-    threading.Thread(target=_count_finished, args=(_JOB,), name="jdp-finished", daemon=True).start()
+    counter = threading.Thread(
+        target=_count_finished, args=(_JOB, _JOB.results), name="jdp-finished", daemon=True
+    )
+    counter.start()
     _JOB.watcher = threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True)
     _JOB.watcher.start()
     # Registered after JAX's own shutdown hook, so it runs first: a process that
@@ -143,12 +146,11 @@ def note_result(result: Any) -> None:
         job.results.put(result)
 
 
-def _count_finished(job: "_Job") -> None:
+def _count_finished(job: "_Job", results: queue.SimpleQueue) -> None:
     import jax
 
-    assert job.results is not None
     while True:
-        result = job.results.get()
+        result = results.get()
         with contextlib.suppress(Exception):  # a failed step is the main thread's to report
             jax.block_until_ready(result)
         job.finished_steps += 1

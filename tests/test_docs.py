@@ -2,7 +2,6 @@
 
 import doctest
 import importlib
-import os
 import pathlib
 import pkgutil
 import re
@@ -14,6 +13,7 @@ import sys
 import pytest
 
 import jdp
+from tests.launching import clean_env, launch_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # changelog.md only includes CHANGELOG.md, which has no code.
@@ -42,18 +42,8 @@ def test_docs_page_runs(page, tmp_path):
 def _launch(block: str, script: pathlib.Path) -> None:
     """A multi-process example runs as 2 processes x 2 CPU devices."""
     script.write_text(block)
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    cmd = [
-        sys.executable,
-        "-m",
-        "jdp.launch",
-        "--processes",
-        "2",
-        "--devices-per-process",
-        "2",
-        str(script),
-    ]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    cmd = launch_command(str(script))
+    run = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-4000:]
 
 

@@ -4,7 +4,6 @@ The rules on synthetic timings (exact), then 2-process x 2-device jobs with a
 slowed or hung process (tests/scripts/multiprocess_pace.py).
 """
 
-import os
 import pathlib
 import re
 import socket
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from jdp import _pace, _watchdog
+from tests.launching import clean_env, launch_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
@@ -100,22 +100,10 @@ def test_a_stall_names_the_process_behind(progress, verdict):
 
 def launch(mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch"):
     """Runs the 2 x 2 job; ``(return code, stderr, when it ended)``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    env["PYTHONPATH"] = str(ROOT)
+    env = clean_env(PYTHONPATH=str(ROOT))
     args = [SCRIPT, mode, str(steps), str(slowdown)]
     if launcher == "jdp.launch":
-        cmd = [
-            sys.executable,
-            "-m",
-            "jdp.launch",
-            "--processes",
-            "2",
-            "--devices-per-process",
-            "2",
-            "--timeout",
-            str(timeout),
-            *args,
-        ]
+        cmd = launch_command("--timeout", str(timeout), *args)
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         return run.returncode, run.stderr, time.time()
     with socket.socket() as s:  # a Kubernetes Indexed Job's variables
