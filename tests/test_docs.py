@@ -97,8 +97,40 @@ def test_multi_host_launcher_lines_run_the_script(launcher, tmp_path):
     )
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
-    # Both processes printed the job's mean loss (mpirun may interleave the pieces of
-    # the two lines; the rank tags and gloo's lines aside).
-    text = re.sub(r"\[\d+,\d+\]<stdout>:|^\d+: ", "", run.stdout, flags=re.M)
-    losses = re.findall(r"\d+\.\d{6}", re.sub(r".*\[Gloo\].*", "", text))
-    assert len(losses) == 2 and len(set(losses)) == 1, run.stdout
+    # Both processes printed the job's mean loss, each on its own stream.
+    streams = _rank_streams(run.stdout)
+    losses = {
+        rank: re.findall(r"\d+\.\d{6}", re.sub(r".*\[Gloo\].*", "", text))
+        for rank, text in streams.items()
+    }
+    found = sorted(loss for found in losses.values() for loss in found)
+    assert len(found) == 2 and len(set(found)) == 1, (losses, run.stdout)
+
+
+RANK_TAG = re.compile(r"\[\d+,(\d+)\]<stdout>:|^(\d+): ", re.M)
+
+
+def _rank_streams(stdout):
+    """Each rank's output, its pieces joined in order: mpirun cuts a line into tagged
+    pieces and interleaves the ranks' pieces ("[1,1]<stdout>:1[1,0]<stdout>:0..."), so
+    the text with the tags removed can glue one rank's digits onto another's number."""
+    marks = list(RANK_TAG.finditer(stdout))
+    streams: dict[str, str] = {}
+    for mark, after in zip(marks, [*marks[1:], None], strict=True):
+        end = after.start() if after else len(stdout)
+        rank = mark.group(1) or mark.group(2)
+        streams[rank] = streams.get(rank, "") + stdout[mark.end() : end]
+    return streams
+
+
+def test_rank_streams_regroup_interleaved_mpirun_pieces():
+    """The failure seen once in CI: rank 0's "0 " glued onto rank 1's loss."""
+    out = (
+        "[1,1]<stdout>:1[1,1]<stdout>: [1,0]<stdout>:0[1,1]<stdout>:2.122509"
+        "[1,0]<stdout>: [1,0]<stdout>:2.122509\n[1,1]<stdout>:\n"
+    )
+    assert _rank_streams(out) == {"1": "1 2.122509\n", "0": "0 2.122509\n"}
+    assert _rank_streams("0: 0 1.500000\n1: 1 1.500000\n") == {
+        "0": "0 1.500000\n",
+        "1": "1 1.500000\n",
+    }
