@@ -7,7 +7,7 @@ def check_bool(value: object, name: str, *, where: str) -> bool:
     """``value``, refused unless it is a bool (``1`` or ``"yes"`` would read as True).
 
     Example:
-      >>> check_bool(False, "has_aux", where="make_train_step")
+      >>> check_bool(False, "has_aux", where="jdp.make_train_step")
       False
     """
     if not isinstance(value, bool):
@@ -26,7 +26,7 @@ def check_int(value: object, name: str, *, minimum: int, where: str) -> int:
     """``value`` as an int, refused unless it is an int (not a bool) >= ``minimum``.
 
     Example:
-      >>> check_int(3, "log_every", minimum=1, where="fit")
+      >>> check_int(3, "log_every", minimum=1, where="jdp.fit")
       3
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -172,7 +172,7 @@ class Checker:
             "is one that differs)"
         )
         return (
-            f"Replicas disagree after step {step}: {odd}, first at leaf {name}. A device "
+            f"jdp.Audit: replicas disagree after step {step}: {odd}, first at leaf {name}. A device "
             "computed or stored wrong bits (silent data corruption) or the replicas started "
             "apart. Restore the last checkpoint (jdp.fit saves only audited states) and run "
             "on, excluding that device if it repeats."

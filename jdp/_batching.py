@@ -22,7 +22,7 @@ def local_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     devices = jax.local_devices() if devices is None else list(devices)
     if not devices:
         raise ValueError(
-            "devices is empty: pass at least one device (default: every local device)."
+            "jdp.replicate or jdp.shard: devices is empty: pass at least one device (default: every local device)."
         )
     return Mesh(np.asarray(devices), (DEVICE_AXIS,))
 
@@ -54,7 +54,7 @@ def leaves_with_paths(tree: PyTree, what: str) -> list[tuple[str, jax.Array]]:
     return pairs
 
 
-def batch_size(tree: PyTree, what: str = "batch") -> int:
+def batch_size(tree: PyTree, what: str) -> int:
     """The leading dimension shared by every leaf of ``tree``.
 
     Raises:
@@ -99,14 +99,14 @@ def _refuse_records(tree: PyTree, what: str) -> None:
         )
 
 
-def divisible_batch_size(tree: PyTree, n: int) -> int:
+def divisible_batch_size(tree: PyTree, n: int, what: str) -> int:
     """The batch size ``B`` of ``tree``, checked to split over ``n`` devices."""
-    size = batch_size(tree)
+    size = batch_size(tree, f"{what}: the batch")
     if size % n:
-        _refuse_records(tree, "batch")
-        name = leaves_with_paths(tree, "batch")[0][0]
+        _refuse_records(tree, f"{what}: the batch")
+        name = leaves_with_paths(tree, f"{what}: the batch")[0][0]
         raise ValueError(
-            f"Cannot shard batch leaf {name} with B={size} examples over n={n} "
+            f"{what}: cannot shard batch leaf {name} with B={size} examples over n={n} "
             f"devices: B % n = {size % n}. Use a batch size divisible by {n}, "
             "or pad it with `batch, mask = jdp.pad_batch(batch, n)` and leave the "
             "padding out of the loss with jdp.weighted_mean(per_example_loss, mask)."
@@ -140,11 +140,11 @@ def shard(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTree:
     return shard_blocks(tree, device_axis_sharding(devices))
 
 
-def shard_blocks(tree: PyTree, sharding: NamedSharding) -> PyTree:
+def shard_blocks(tree: PyTree, sharding: NamedSharding, what: str = "jdp.shard") -> PyTree:
     """:func:`shard` onto the devices of a prebuilt 1-D ``sharding`` (built once per step)."""
     n = sharding.mesh.size
-    refuse_placed(tree, "jdp.shard")
-    size = divisible_batch_size(tree, n)
+    refuse_placed(tree, what)
+    size = divisible_batch_size(tree, n, what)
     return jax.tree.map(
         lambda x: jax.device_put(x.reshape((n, size // n) + x.shape[1:]), sharding),
         tree,
@@ -174,10 +174,10 @@ def unshard(tree: PyTree) -> PyTree:
       >>> jdp.unshard({"x": np.zeros((8, 2, 3))})["x"].shape
       (16, 3)
     """
-    for name, leaf in leaves_with_paths(tree, "unshard input"):
+    for name, leaf in leaves_with_paths(tree, "jdp.unshard: the input"):
         if leaf.ndim < 2:
             raise ValueError(
-                f"unshard expects leaves of shape (n, b, ...), but {name} has shape {leaf.shape}."
+                f"jdp.unshard expects leaves of shape (n, b, ...), but {name} has shape {leaf.shape}."
             )
     return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
 
@@ -196,8 +196,8 @@ def pad_batch(tree: PyTree, multiple: int) -> tuple[PyTree, np.ndarray]:
       >>> padded["x"].shape, mask.tolist()
       ((8, 2), [True, True, True, True, True, False, False, False])
     """
-    check_int(multiple, "multiple", minimum=1, where="pad_batch")
-    size = batch_size(tree)
+    check_int(multiple, "multiple", minimum=1, where="jdp.pad_batch")
+    size = batch_size(tree, "jdp.pad_batch: the batch")
     padded = -(-size // multiple) * multiple
     mask = np.arange(padded) < size
 

@@ -79,17 +79,17 @@ class Checkpointer:
     ):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
-                f"Checkpointer: max_to_keep must be None or an int >= 1, got {max_to_keep!r}."
+                f"jdp.Checkpointer: max_to_keep must be None or an int >= 1, got {max_to_keep!r}."
             )
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
-                f"Checkpointer: directory must be a path (str or pathlib.Path), got {directory!r}."
+                f"jdp.Checkpointer: directory must be a path (str or pathlib.Path), got {directory!r}."
             )
-        check_bool(async_save, "async_save", where="Checkpointer")
+        check_bool(async_save, "async_save", where="jdp.Checkpointer")
         self.directory = pathlib.Path(directory).expanduser().absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(
-                f"Checkpointer: {self.directory} is a file; pass a directory (it is created "
+                f"jdp.Checkpointer: {self.directory} is a file; pass a directory (it is created "
                 "if missing) where the step directories will live."
             )
         _check_one_folder(self.directory)
@@ -124,25 +124,25 @@ class Checkpointer:
           ValueError: ``step`` is negative, a checkpoint ``step`` already exists, or a
             newer one does.
         """
-        step = check_int(step, "step", minimum=0, where="Checkpointer.save")
-        refuse_consumed(state, "Checkpointer.save")
+        step = check_int(step, "step", minimum=0, where="jdp.Checkpointer.save")
+        refuse_consumed(state, "jdp.Checkpointer.save")
         meta = {"format": FORMAT_VERSION, "static": _static_fields(state), "extra": extra}
         try:
             json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise TypeError(
-                f"Checkpointer.save: extra must be JSON-serializable (dicts, lists, str, "
+                f"jdp.Checkpointer.save: extra must be JSON-serializable (dicts, lists, str, "
                 f"int, float, bool, None); {e}."
             ) from None
         steps = self._manager.all_steps()
         if step in steps:
             raise ValueError(
-                f"Checkpointer.save: checkpoint {step} already exists in {self.directory}."
+                f"jdp.Checkpointer.save: checkpoint {step} already exists in {self.directory}."
             )
         if steps and step < max(steps):
             # Orbax would skip it without a word: it only saves steps past the newest.
             raise ValueError(
-                f"Checkpointer.save: step {step} is older than checkpoint {max(steps)} in "
+                f"jdp.Checkpointer.save: step {step} is older than checkpoint {max(steps)} in "
                 f"{self.directory}; checkpoints must be saved in increasing step order. Use "
                 "another directory for a run that starts over."
             )
@@ -192,14 +192,14 @@ class Checkpointer:
         if step is not None:
             if int(step) not in steps:
                 raise FileNotFoundError(
-                    f"No checkpoint {step} in {self.directory}; available: {steps}."
+                    f"jdp.Checkpointer.restore: no checkpoint {step} in {self.directory}; available: {steps}."
                 )
             candidates = [int(step)]
         else:
             candidates = sorted(steps, reverse=True)
         if not candidates:
-            raise FileNotFoundError(f"No checkpoint in {self.directory}.")
-        refuse_consumed(template, "Checkpointer.restore (the template)")
+            raise FileNotFoundError(f"jdp.Checkpointer.restore: no checkpoint in {self.directory}.")
+        refuse_consumed(template, "jdp.Checkpointer.restore (the template)")
         expected = _leaves(_one_copy(template))
         failures = []
         for candidate in _agreed(candidates):
@@ -215,7 +215,7 @@ class Checkpointer:
             failures.append((candidate, error or RuntimeError("failed on another process")))
         else:
             raise CheckpointError(
-                f"No intact checkpoint in {self.directory}: {_describe(failures)}. "
+                f"jdp.Checkpointer.restore: no intact checkpoint in {self.directory}: {_describe(failures)}. "
                 "Delete the damaged step directories or start from scratch."
             )
         meta = restored["meta"]
@@ -258,7 +258,7 @@ class Checkpointer:
         steps = self.all_steps()
         if not steps or (step is not None and int(step) not in steps):
             raise FileNotFoundError(
-                f"No checkpoint {'' if step is None else step} in {self.directory}; "
+                f"jdp.Checkpointer: no checkpoint {'' if step is None else step} in {self.directory}; "
                 f"available: {steps}."
             )
         import orbax.checkpoint as ocp
@@ -356,7 +356,7 @@ def _check_format(meta: Any, step: int, directory: pathlib.Path) -> None:
     written = meta.get("format") if isinstance(meta, dict) else None
     if written != FORMAT_VERSION:
         raise ValueError(
-            f"Checkpoint {step} in {directory} has format {written!r}, but this jdp reads "
+            f"jdp.Checkpointer.restore: checkpoint {step} in {directory} has format {written!r}, but this jdp reads "
             f"format {FORMAT_VERSION}: it was written by another jdp version (or not by "
             "jdp). Restore it with the jdp that wrote it, or start from scratch."
         )
@@ -380,7 +380,7 @@ def _check_one_folder(directory: pathlib.Path) -> None:
     folders = [bytes(r[32:]).rstrip(b"\0").decode(errors="replace") for r in rows]
     named = ", ".join(f"process {i}: {folder}" for i, folder in enumerate(folders))
     raise ValueError(
-        f"Checkpointer: the processes name different folders ({named}). They write each "
+        f"jdp.Checkpointer: the processes name different folders ({named}). They write each "
         "checkpoint together: pass every process the same folder, on a file system they share."
     )
 
@@ -512,19 +512,19 @@ def _check_layout(saved, expected, step: int) -> None:
     for parts, (name, (shape, dtype)) in wanted.items():
         if parts not in saved:
             raise ValueError(
-                f"Checkpoint {step} does not match the template: it has no leaf {name}. "
+                f"jdp.Checkpointer.restore: checkpoint {step} does not match the template: it has no leaf {name}. "
                 "Restore with a template of the model that wrote it."
             )
         if saved[parts] != (shape, dtype):
             s_shape, s_dtype = saved[parts]
             raise ValueError(
-                f"Checkpoint {step} does not match the template at leaf {name}: saved "
+                f"jdp.Checkpointer.restore: checkpoint {step} does not match the template at leaf {name}: saved "
                 f"shape {s_shape} dtype {s_dtype}, template expects shape {shape} dtype {dtype}."
             )
     unexpected = sorted("/".join(p) for p in set(saved) - set(wanted))
     if unexpected:
         raise ValueError(
-            f"Checkpoint {step} does not match the template: it has leaves the template "
+            f"jdp.Checkpointer.restore: checkpoint {step} does not match the template: it has leaves the template "
             f"lacks: {unexpected[:5]}."
         )
 
@@ -565,7 +565,7 @@ def _static_fields(state: PyTree) -> dict[str, Any]:
 def _check_static(saved: dict, expected: dict, step: int) -> None:
     if saved != expected:
         raise ValueError(
-            f"Checkpoint {step} was written with static settings {saved}, but the "
+            f"jdp.Checkpointer.restore: checkpoint {step} was written with static settings {saved}, but the "
             f"template has {expected}. Restore with a template built like the saved "
             "run (e.g. the same DynamicLossScale hyperparameters), then change them "
             "with state.replace(...) if you mean to."

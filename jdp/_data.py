@@ -74,13 +74,13 @@ class BatchIterator:
         process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= process_index < process_count:
             raise ValueError(
-                f"BatchIterator: process_index must be in [0, {process_count}), got {process_index}."
+                f"jdp.BatchIterator: process_index must be in [0, {process_count}), got {process_index}."
             )
         num_devices = jax.local_device_count() if num_devices is None else num_devices
         split = num_devices * process_count
         if batch_size % split:
             raise ValueError(
-                f"BatchIterator: batch_size={batch_size} is not divisible by the "
+                f"jdp.BatchIterator: batch_size={batch_size} is not divisible by the "
                 f"{split} devices it is split over ({num_devices} per process x "
                 f"{process_count} process(es)); use a multiple of {split}."
             )
@@ -167,7 +167,7 @@ class BatchIterator:
         for key in ("seed", "size", "batch_size", "fingerprint"):
             if state[key] != getattr(self, key):
                 raise ValueError(
-                    f"BatchIterator.set_state: saved {key}={state[key]} but this "
+                    f"jdp.BatchIterator.set_state: saved {key}={state[key]} but this "
                     f"iterator has {key}={getattr(self, key)}; resume over the same "
                     "data, batch size and seed."
                 )
@@ -181,10 +181,10 @@ def _check_batching(
     data: PyTree, size: int, batch_size: object, remainder: str, repeat: bool, mask_key: str
 ) -> None:
     """BatchIterator's options, checked against the data (the process split aside)."""
-    batch_size = check_int(batch_size, "batch_size", minimum=1, where="BatchIterator")
+    batch_size = check_int(batch_size, "batch_size", minimum=1, where="jdp.BatchIterator")
     if remainder not in REMAINDERS:
         raise ValueError(
-            f"BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
+            f"jdp.BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."
         )
     if remainder == "pad" and not (isinstance(data, Mapping) and mask_key not in data):
         raise ValueError(
@@ -195,12 +195,12 @@ def _check_batching(
         )
     if size == 0 and repeat:
         raise ValueError(
-            "BatchIterator: data holds 0 examples, so a repeating iterator would never "
+            "jdp.BatchIterator: data holds 0 examples, so a repeating iterator would never "
             "yield a batch; pass data with examples (or repeat=False for an empty pass)."
         )
     if remainder == "drop" and size < batch_size:
         raise ValueError(
-            f"BatchIterator: {size} examples make no full batch of {batch_size}; "
+            f"jdp.BatchIterator: {size} examples make no full batch of {batch_size}; "
             'use remainder="pad" or a smaller batch.'
         )
 
@@ -251,7 +251,7 @@ def prefetch_to_device(
       >>> [float(b["x"][0, 0, 0]) for b in jdp.prefetch_to_device(batches)]
       [0.0, 1.0, 2.0]
     """
-    check_int(size, "size", minimum=1, where="prefetch_to_device")
+    check_int(size, "size", minimum=1, where="jdp.prefetch_to_device")
     iterator = iter(iterator)
     queue: collections.deque = collections.deque()
 

@@ -45,7 +45,7 @@ def force_cpu_devices(n: int) -> None:
       >>> jax.device_count()
       8
     """
-    check_int(n, "n", minimum=1, where="force_cpu_devices(n)")
+    check_int(n, "n", minimum=1, where="jdp.force_cpu_devices(n)")
     threads = max(THREADS_PER_DEVICE * n, _env_threads())
     try:
         jax.config.update("jax_num_cpu_devices", n)
@@ -53,7 +53,7 @@ def force_cpu_devices(n: int) -> None:
         if _started_safely_with(n):
             return
         raise RuntimeError(
-            f"force_cpu_devices({n}) was called after the JAX backend started "
+            f"jdp.force_cpu_devices({n}) was called after the JAX backend started "
             f"(with {jax.device_count()} {jax.default_backend()} device(s), "
             f"PJRT_NPROC={os.environ.get('PJRT_NPROC')!r}). Call it right after "
             "`import jax`, before creating any array; in a notebook, restart "

@@ -57,37 +57,37 @@ def make_eval_step(
     strategy = data_parallel() if strategy is None else strategy
     if not isinstance(strategy, Strategy):
         raise TypeError(
-            "make_eval_step: strategy must be a jdp.strategies value (e.g. the training "
+            "jdp.make_eval_step: strategy must be a jdp.strategies value (e.g. the training "
             f"step's, train_step.strategy), got {type(strategy).__name__}."
         )
 
     if not callable(metric_fn):
-        raise TypeError(f"make_eval_step: metric_fn must be callable, got {metric_fn!r}.")
-    check_bool(has_model_state, "has_model_state", where="make_eval_step")
-    check_name(axis_name, "axis_name", where="make_eval_step")
-    check_call(metric_fn, ("model_state",) * has_model_state, "make_eval_step", "metric_fn")
+        raise TypeError(f"jdp.make_eval_step: metric_fn must be callable, got {metric_fn!r}.")
+    check_bool(has_model_state, "has_model_state", where="jdp.make_eval_step")
+    check_name(axis_name, "axis_name", where="jdp.make_eval_step")
+    check_call(metric_fn, ("model_state",) * has_model_state, "jdp.make_eval_step", "metric_fn")
 
     def eval_step(state, batch):
         extra = {"model_state": state.model_state} if has_model_state else {}
         values = metric_fn(strategy.whole_params(state, axis_name), batch, **extra)
         if not isinstance(values, Mapping):
             raise TypeError(
-                f"metric_fn must return a dict of per-example arrays or jdp.WeightedLoss "
+                f"jdp.make_eval_step: metric_fn must return a dict of per-example arrays or jdp.WeightedLoss "
                 f"values, got {type(values).__name__}."
             )
         for reserved, why in _RESERVED.items():
             if reserved in values:
                 raise ValueError(
-                    f"metric_fn returned a metric named {reserved!r}, the key under which {why}; "
+                    f"jdp.make_eval_step: metric_fn returned a metric named {reserved!r}, the key under which {why}; "
                     "rename the metric."
                 )
-        size = batch_size(batch)
+        size = batch_size(batch, "jdp.make_eval_step: the batch")
         sums = {}
         for name, v in values.items():
             if not isinstance(v, WeightedLoss):
                 if jnp.shape(v) != (size,):
                     raise ValueError(
-                        f"metric_fn's {name!r} must have one value per example, shape "
+                        f"jdp.make_eval_step: metric_fn's {name!r} must have one value per example, shape "
                         f"({size},), or be a jdp.WeightedLoss; got shape {jnp.shape(v)}."
                     )
                 v = weighted_mean(v)
@@ -147,13 +147,13 @@ def evaluate(
             else "no jdp step"
         )
         raise TypeError(
-            "evaluate needs a wrapped evaluation step, jdp.pmap(jdp.make_eval_step(metric_fn)) "
+            "jdp.evaluate needs a wrapped evaluation step, jdp.pmap(jdp.make_eval_step(metric_fn)) "
             f"(or jdp.shard_map), got {type(wrapped_eval_step).__name__} wrapping {what}."
         )
-    refuse_consumed(state, "evaluate")
+    refuse_consumed(state, "jdp.evaluate")
     if not isinstance(batches, Iterable) or isinstance(batches, Mapping):
         raise TypeError(
-            "evaluate: batches must be an iterable of host batches (a list, or "
+            "jdp.evaluate: batches must be an iterable of host batches (a list, or "
             f"jdp.BatchIterator(..., repeat=False)), got {type(batches).__name__}."
         )
     outs = []
@@ -161,14 +161,16 @@ def evaluate(
         outs.append(_first_replica(wrapped_eval_step(state, wrapped_eval_step.shard(batch))))
     outs = jax.device_get(outs)  # read back once, after the last batch
     if not outs:
-        raise ValueError("evaluate: the batches were empty; there is nothing to evaluate.")
+        raise ValueError("jdp.evaluate: the batches were empty; there is nothing to evaluate.")
     result: dict[str, Any] = {}
     weights = {}
     for name in outs[0]:
         total = sum(np.float64(out[name][0]) for out in outs)
         weights[name] = sum(np.float64(out[name][1]) for out in outs)
         if weights[name] <= 0:
-            raise ValueError(f"evaluate: metric {name!r} has total weight 0 (no real examples).")
+            raise ValueError(
+                f"jdp.evaluate: metric {name!r} has total weight 0 (no real examples)."
+            )
         result[name] = float(total / weights[name])
     result[WEIGHTS] = {name: float(w) for name, w in weights.items()}
     return result

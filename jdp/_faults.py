@@ -77,7 +77,7 @@ def with_faults(step: TrainStep) -> TrainStep:
     """
     if not isinstance(step, TrainStep):
         raise TypeError(
-            f"with_faults takes a step built by jdp.make_train_step, got {type(step).__name__}."
+            f"jdp.testing.with_faults takes a step built by jdp.make_train_step, got {type(step).__name__}."
         )
     inner, axis_name = step.fn, step.axis_name
 
@@ -94,7 +94,9 @@ def with_faults(step: TrainStep) -> TrainStep:
 
 
 def _no_norm(grads: PyTree) -> jax.Array:
-    raise TypeError("with_faults recomputes only the state metrics; they take no gradient norm.")
+    raise TypeError(
+        "jdp.testing.with_faults recomputes only the state metrics; they take no gradient norm."
+    )
 
 
 def flip(state: PyTree, spec: jax.Array, axis_name: str) -> PyTree:

@@ -93,7 +93,7 @@ def make_forward(
             out = loss_fn(policy.cast_params(view(p)), policy.cast_batch_leaves(batch), **extra)
             loss, new_model_state, aux = _unpack(out, has_aux, has_model_state)
             if has_model_state:
-                check_model_state(new_model_state, model_state, "loss_fn")
+                check_model_state(new_model_state, model_state, "jdp.make_train_step: loss_fn")
             check_aux(aux)
             if isinstance(loss, WeightedLoss):
                 total, weight = loss.total.astype(jnp.float32), loss.weight.astype(jnp.float32)
@@ -190,7 +190,7 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
     }[(has_aux, has_model_state)]
     if isinstance(out, tuple) and not (has_aux or has_model_state):
         raise TypeError(
-            f"loss_fn returned a tuple of {len(out)}, but the step expects a bare loss. If it "
+            f"jdp.make_train_step: loss_fn returned a tuple of {len(out)}, but the step expects a bare loss. If it "
             "returns (loss, aux), build the step with has_aux=True; (loss, new_model_state): "
             "has_model_state=True; (loss, (new_model_state, aux)): both."
         )
@@ -206,13 +206,13 @@ def _unpack(out: Any, has_aux: bool, has_model_state: bool):
                 model_state = rest
     except (TypeError, ValueError):
         raise TypeError(
-            f"loss_fn must return {expected} (has_aux={has_aux}, "
+            f"jdp.make_train_step: loss_fn must return {expected} (has_aux={has_aux}, "
             f"has_model_state={has_model_state}); got {type(out).__name__}."
         ) from None
     _check_loss(loss)
     if not isinstance(aux, Mapping):
         raise TypeError(
-            f"With has_aux=True, aux must be a dict of arrays (it joins the "
+            f"jdp.make_train_step: with has_aux=True, aux must be a dict of arrays (it joins the "
             f"metrics), got {type(aux).__name__}."
         )
     return loss, model_state, aux
@@ -278,12 +278,14 @@ def check_aux(aux: Mapping[str, Any]) -> None:
     """Aux values are numeric arrays (each replica's mean, averaged across replicas)."""
     for key, value in aux.items():
         if not isinstance(key, str):
-            raise TypeError(f"aux keys name metrics and must be strings, got {key!r}.")
+            raise TypeError(
+                f"jdp.make_train_step: aux keys name metrics and must be strings, got {key!r}."
+            )
         if isinstance(value, (str, bytes)) or not (
             hasattr(value, "dtype") or isinstance(value, (int, float, bool))
         ):
             raise TypeError(
-                f"aux[{key!r}] is a {type(value).__name__} ({value!r:.40}); aux values are "
+                f"jdp.make_train_step: aux[{key!r}] is a {type(value).__name__} ({value!r:.40}); aux values are "
                 "numeric arrays that join the metrics. Log text and objects outside the step."
             )
 
@@ -294,33 +296,37 @@ def _check_loss(loss: Any) -> None:
             value = getattr(loss, field)
             if not isinstance(value, jax.Array) or value.ndim != 0:
                 raise ValueError(
-                    f"WeightedLoss.{field} must be a scalar array, got shape "
+                    f"jdp.WeightedLoss.{field} must be a scalar array, got shape "
                     f"{jnp.shape(value)}; sum over the batch, e.g. jdp.weighted_mean(values, mask)."
                 )
         if not jnp.issubdtype(loss.total.dtype, jnp.floating):
-            raise TypeError(f"WeightedLoss.total must be floating, got dtype {loss.total.dtype}.")
+            raise TypeError(
+                f"jdp.WeightedLoss.total must be floating, got dtype {loss.total.dtype}."
+            )
         return
     if isinstance(loss, (int, float)):
         raise TypeError(
-            f"loss_fn returned a Python {type(loss).__name__} ({loss!r}); the loss must be "
+            f"jdp.make_train_step: loss_fn returned a Python {type(loss).__name__} ({loss!r}); the loss must be "
             "a JAX scalar computed from params (a constant has no gradient)."
         )
     if not isinstance(loss, jax.Array) or loss.ndim != 0:
         raise ValueError(
-            f"loss_fn must return a scalar loss, got shape {jnp.shape(loss)}. "
+            f"jdp.make_train_step: loss_fn must return a scalar loss, got shape {jnp.shape(loss)}. "
             "Reduce it over the batch, e.g. jnp.mean(per_example_loss), or return "
             "jdp.weighted_mean(per_example_loss, mask)."
         )
     if not jnp.issubdtype(loss.dtype, jnp.floating):
-        raise TypeError(f"loss_fn must return a floating loss, got dtype {loss.dtype}.")
+        raise TypeError(
+            f"jdp.make_train_step: loss_fn must return a floating loss, got dtype {loss.dtype}."
+        )
 
 
 def _micro_batches(batch: PyTree, steps: int) -> PyTree:
     """``(B, ...)`` -> ``(steps, B / steps, ...)``."""
-    size = batch_size(batch)
+    size = batch_size(batch, "jdp.make_train_step: the batch")
     if size % steps:
         raise ValueError(
-            f"accumulate_steps={steps} does not divide the per-replica "
+            f"jdp.make_train_step: accumulate_steps={steps} does not divide the per-replica "
             f"batch of {size} examples. Use a global batch divisible by "
             f"accumulate_steps x number of devices."
         )
@@ -329,7 +335,8 @@ def _micro_batches(batch: PyTree, steps: int) -> PyTree:
 
 def _accumulation_refusal(collective: str, steps: int, axis_name: str) -> str:
     return (
-        f"The loss calls {collective} over the data axis {axis_name!r}, which under "
+        f"jdp: the loss calls {collective} over the data axis "
+        f"{axis_name!r}, which under "
         f"accumulate_steps={steps} runs once per micro-batch and sees only that micro-batch of "
         "every device, not the global batch: the objective would change with accumulate_steps. "
         "Use accumulate_steps=1 (a collective in the loss then sees the whole global batch, as "

@@ -69,7 +69,7 @@ def rows_like(x: jax.Array, size: int) -> Callable[[Any], jax.Array]:
     """``Placement.rows`` for rows placed as ``x`` (a per-replica leaf of ``size`` rows) is."""
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):
-        raise TypeError(f"A per-replica leaf must have a NamedSharding, got {sharding}.")
+        raise TypeError(f"jdp: a per-replica leaf must have a NamedSharding, got {sharding}.")
     devices = list(sharding.mesh.devices.flat)
     # pmap across processes: each process's mesh holds its own devices, and a
     # device's row is its index among every process's devices.
@@ -204,14 +204,14 @@ def layout_of(tree: PyTree) -> Layout | None:
         if layout is None:
             if isinstance(leaf, jax.Array) and len(leaf.sharding.device_set) > 1:
                 raise ValueError(
-                    f"Leaf {name} (shape {leaf.shape}, sharding {leaf.sharding}) is spread over "
+                    f"jdp: leaf {name} (shape {leaf.shape}, sharding {leaf.sharding}) is spread over "
                     "devices in neither jdp layout (a leading device axis, or replicated "
                     "across a mesh). Place the tree with a step's replicate."
                 )
             continue
         if found is not None and found[1] is not layout:
             raise ValueError(
-                f"The tree mixes layouts: leaf {found[0]} is held with {found[1].name}, leaf "
+                f"jdp: the tree mixes layouts: leaf {found[0]} is held with {found[1].name}, leaf "
                 f"{name} with {layout.name}. Place it once: tree = step.replicate(tree)."
             )
         found = (name, layout)

@@ -117,7 +117,7 @@ def fit(
     _check_fit_args(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
-    check_int(log_every, "log_every", minimum=1, where="fit")
+    check_int(log_every, "log_every", minimum=1, where="jdp.fit")
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer)
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
@@ -223,11 +223,11 @@ def _start(
         if checkpointer is not None and history.resumed_at:
             where = f" (restored from {checkpointer.directory})"
         raise ValueError(
-            f"fit: the state is at step {step}{where}, past num_steps={num_steps}; fit would "
+            f"jdp.fit: the state is at step {step}{where}, past num_steps={num_steps}; fit would "
             f"return it unchanged. Pass num_steps >= {step}, or a fresh checkpoint directory "
             "to train from the start."
         )
-    check_replicas_agree(state, "fit")  # a step reused across fit calls checked only its first
+    check_replicas_agree(state, "jdp.fit")  # a step reused across fit calls checked only its first
     return state, history, ledger, record
 
 
@@ -278,7 +278,7 @@ def _next(batches, step: int, num_steps: int):
         return next(batches)
     except StopIteration:
         raise ValueError(
-            f"fit: train_data ran out after step {step} of {num_steps}; pass a "
+            f"jdp.fit: train_data ran out after step {step} of {num_steps}; pass a "
             "repeating iterator (BatchIterator(..., repeat=True)) or fewer steps."
         ) from None
 
@@ -292,28 +292,28 @@ def _check_fit_args(
 ) -> None:
     if isinstance(getattr(train_step, "step", None), EvalStep):
         raise TypeError(
-            "fit: train_step is an evaluation step (jdp.make_eval_step); pass a wrapped "
+            "jdp.fit: train_step is an evaluation step (jdp.make_eval_step); pass a wrapped "
             "jdp.make_train_step as train_step and the evaluation step as eval_step."
         )
-    check_int(num_steps, "num_steps", minimum=0, where="fit")
+    check_int(num_steps, "num_steps", minimum=0, where="jdp.fit")
     for name, every in (("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
         if every is not None:
-            check_int(every, name, minimum=1, where="fit")
+            check_int(every, name, minimum=1, where="jdp.fit")
     if (eval_step is None) != (eval_data is None):
         given, missing = (
             ("eval_step", "eval_data") if eval_data is None else ("eval_data", "eval_step")
         )
-        raise ValueError(f"fit: {given} was given without {missing}; pass both or neither.")
+        raise ValueError(f"jdp.fit: {given} was given without {missing}; pass both or neither.")
     if eval_data is not None and not callable(eval_data):
         raise TypeError(
-            "fit: eval_data must be a callable returning a fresh iterable of batches, e.g. "
+            "jdp.fit: eval_data must be a callable returning a fresh iterable of batches, e.g. "
             "lambda: jdp.BatchIterator(test, 64, shuffle=False, remainder='pad', repeat=False)."
         )
     if eval_every is not None and eval_step is None:
-        raise ValueError("fit: eval_every was given without eval_step and eval_data.")
+        raise ValueError("jdp.fit: eval_every was given without eval_step and eval_data.")
     if checkpoint_every is not None and checkpointer is None:
         raise ValueError(
-            "fit: checkpoint_every was given without a checkpointer, so nothing would be "
+            "jdp.fit: checkpoint_every was given without a checkpointer, so nothing would be "
             "saved; pass checkpointer=jdp.Checkpointer(directory)."
         )
 
@@ -323,7 +323,7 @@ def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTr
     step = _step_of(state)
     if not isinstance(extra, dict) or "data" not in extra:
         raise ValueError(
-            f"fit: checkpoint {step} in {checkpointer.directory} was not written by fit (its "
+            f"jdp.fit: checkpoint {step} in {checkpointer.directory} was not written by fit (its "
             "extra holds no data position), so fit cannot resume it exactly. Restore it "
             "yourself with checkpointer.restore(state) and train into a new directory, or "
             "save with extra={'data': train_data.get_state()}."
@@ -331,7 +331,7 @@ def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTr
     if extra["data"] is not None:
         if not hasattr(train_data, "set_state"):
             raise TypeError(
-                f"fit: checkpoint {step} holds a data position, but train_data "
+                f"jdp.fit: checkpoint {step} holds a data position, but train_data "
                 f"({type(train_data).__name__}) has no set_state(); resume with the same "
                 "kind of iterator."
             )
@@ -354,7 +354,7 @@ def _run_hook(hook, epoch: int, state: PyTree) -> PyTree:
         return state
     if _tree.structure(new) != _tree.structure(state):
         raise TypeError(
-            f"fit: on_epoch_end returned a {type(new).__name__} whose structure differs "
+            f"jdp.fit: on_epoch_end returned a {type(new).__name__} whose structure differs "
             "from the state's; return the (updated) state or None."
         )
     return new
@@ -379,7 +379,7 @@ def _step_of(state: PyTree) -> int:
         counter = state.get("step")
     if counter is None:
         raise TypeError(
-            f"fit counts steps with the state's step counter, but the {type(state).__name__} "
+            f"jdp.fit counts steps with the state's step counter, but the {type(state).__name__} "
             "state has no .step attribute or 'step' entry; add one that the step increments."
         )
     return int(np.asarray(jax.device_get(unreplicate(counter))))

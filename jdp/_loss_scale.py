@@ -111,7 +111,7 @@ class StaticLossScale:
     loss_scale: jax.Array
 
     def __post_init__(self):
-        _check_scale("StaticLossScale.loss_scale", self.loss_scale)
+        _check_scale("jdp.StaticLossScale.loss_scale", self.loss_scale)
         object.__setattr__(self, "loss_scale", jnp.asarray(self.loss_scale, jnp.float32))
 
     def scale(self, tree: PyTree) -> PyTree:
@@ -160,20 +160,22 @@ class DynamicLossScale:
     min_loss_scale: float = pytree.static_field(default=1.0)
 
     def __post_init__(self):
-        _check_scale("DynamicLossScale.loss_scale", self.loss_scale)
-        _check_scale("DynamicLossScale.min_loss_scale", self.min_loss_scale)
-        check_int(self.period, "period", minimum=1, where="DynamicLossScale")
+        _check_scale("jdp.DynamicLossScale.loss_scale", self.loss_scale)
+        _check_scale("jdp.DynamicLossScale.min_loss_scale", self.min_loss_scale)
+        check_int(self.period, "period", minimum=1, where="jdp.DynamicLossScale")
         if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)):
-            raise TypeError(f"DynamicLossScale.factor must be a number, got {self.factor!r}.")
+            raise TypeError(f"jdp.DynamicLossScale.factor must be a number, got {self.factor!r}.")
         if not (math.isfinite(self.factor) and self.factor > 1):
-            raise ValueError(f"DynamicLossScale.factor must be finite and > 1, got {self.factor}.")
+            raise ValueError(
+                f"jdp.DynamicLossScale.factor must be finite and > 1, got {self.factor}."
+            )
         if _is_concrete(self.counter) and int(np.asarray(self.counter)) < 0:
-            raise ValueError(f"DynamicLossScale.counter must be >= 0, got {self.counter}.")
+            raise ValueError(f"jdp.DynamicLossScale.counter must be >= 0, got {self.counter}.")
         if _is_concrete(self.loss_scale) and self.min_loss_scale > float(
             np.asarray(self.loss_scale)
         ):
             raise ValueError(
-                f"DynamicLossScale: min_loss_scale={self.min_loss_scale} is above the initial "
+                f"jdp.DynamicLossScale: min_loss_scale={self.min_loss_scale} is above the initial "
                 f"loss_scale={float(np.asarray(self.loss_scale))}; the floor would make the "
                 "scale grow on overflow. Lower min_loss_scale or raise loss_scale."
             )
@@ -214,7 +216,7 @@ def _check_decision(grads_finite: jax.typing.ArrayLike) -> None:
     shape, dtype = jnp.shape(grads_finite), jnp.result_type(grads_finite)
     if shape != () or dtype != jnp.bool_:
         raise ValueError(
-            "DynamicLossScale.adjust: grads_finite must be one boolean scalar (one decision "
+            "jdp.DynamicLossScale.adjust: grads_finite must be one boolean scalar (one decision "
             f"for the whole step), got shape {shape} and dtype {dtype}. Reduce it first, e.g. "
             "jdp.all_finite(grads)."
         )

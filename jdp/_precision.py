@@ -56,18 +56,18 @@ class Policy:
             floating = False
         if not floating:
             raise TypeError(
-                f"Policy: compute_dtype must be a floating dtype such as jnp.bfloat16, "
+                f"jdp.Policy: compute_dtype must be a floating dtype such as jnp.bfloat16, "
                 f"got {self.compute_dtype!r}."
             )
         if isinstance(self.cast_batch, str):
             raise TypeError(
-                f"Policy: cast_batch must be a collection of names, got the string "
+                f"jdp.Policy: cast_batch must be a collection of names, got the string "
                 f"{self.cast_batch!r}; write cast_batch=({self.cast_batch!r},)."
             )
         if not callable(self.cast_batch):
             object.__setattr__(self, "cast_batch", tuple(self.cast_batch))
         if self.cast_batch and self.compute_dtype is None:
-            raise ValueError("Policy: cast_batch needs a compute_dtype to cast to.")
+            raise ValueError("jdp.Policy: cast_batch needs a compute_dtype to cast to.")
 
     def cast_params(self, params: PyTree) -> PyTree:
         """Floating ``params`` in ``compute_dtype`` (unchanged when it is None)."""
@@ -88,7 +88,7 @@ class Policy:
             missing = sorted(set(self.cast_batch) - found)
             if missing:
                 raise ValueError(
-                    f"Policy(cast_batch={self.cast_batch}): no batch leaf is named "
+                    f"jdp.Policy(cast_batch={self.cast_batch}): no batch leaf is named "
                     f"{missing}; the batch has {sorted(found)}."
                 )
         return treedef.unflatten(
@@ -123,6 +123,6 @@ def as_policy(precision: "Policy | Any | None") -> Policy:
         return Policy(compute_dtype=precision)
     except TypeError as e:
         raise TypeError(
-            f"make_train_step: precision must be a jdp.Policy or a floating dtype such as "
+            f"jdp.make_train_step: precision must be a jdp.Policy or a floating dtype such as "
             f"jnp.bfloat16, got {precision!r}."
         ) from e

@@ -37,7 +37,7 @@ def replicate(tree: PyTree, devices: Sequence[jax.Device] | None = None) -> PyTr
       >>> jdp.replicate({"w": jnp.ones(3)})["w"].shape
       (8, 3)
     """
-    _check_single_copy(tree, "replicate")
+    _check_single_copy(tree, "jdp.replicate")
     return _copies(from_process0(tree), _layout.LEADING_AXIS, local_mesh(devices))
 
 
@@ -69,7 +69,7 @@ def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
       >>> w.shape, w.sharding.is_fully_replicated
       ((3,), True)
     """
-    _check_single_copy(tree, "replicate_across")
+    _check_single_copy(tree, "jdp.replicate_across")
     return _copies(from_process0(tree), _layout.MESH_REPLICATED, mesh)
 
 
@@ -81,7 +81,7 @@ def placement(layout: _layout.Layout, mesh: Mesh, rows: NamedSharding, row_of) -
     """
 
     def replicate_tree(tree: PyTree) -> PyTree:
-        _check_single_copy(tree, "replicate")
+        _check_single_copy(tree, "jdp.replicate")
         return _copies(from_process0(tree), layout, mesh)
 
     return _layout.Placement(
@@ -116,14 +116,14 @@ def unreplicate(tree: PyTree) -> PyTree:
       >>> jdp.unreplicate(jdp.replicate({"w": jnp.ones(3)}))["w"].shape
       (3,)
     """
-    _check_replicated(tree, "unreplicate")
+    _check_replicated(tree, "jdp.unreplicate")
     return _layout.logical(tree, _replica0)
 
 
 def _check_replicated(tree: PyTree, what: str) -> None:
     """Refuses trees that were never replicated (whose row 0 is not a replica)."""
     refuse_consumed(tree, what)
-    for name, leaf in leaves_with_paths(tree, f"{what} input"):
+    for name, leaf in leaves_with_paths(tree, f"{what}: the input"):
         if _layout.layout_of_leaf(leaf) is not None:
             continue
         raise ValueError(
@@ -158,7 +158,7 @@ CONSUMED = (
 def _replica0(x):
     layout = _layout.layout_of_leaf(x)
     if layout is None:
-        raise ValueError(f"Not a replicated array: shape {np.shape(x)}.")
+        raise ValueError(f"jdp: not a replicated array: shape {np.shape(x)}.")
     if is_prng_key(x):
         data = layout.replica0(jax.random.key_data(x))
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
@@ -217,11 +217,11 @@ def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTr
       >>> f(jnp.arange(8.0)).tolist()
       [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
     """
-    check_int(source, "source (a replica index)", minimum=0, where="broadcast")
+    check_int(source, "source (a replica index)", minimum=0, where="jdp.broadcast")
     n = lax.axis_size(axis_name)
     if source >= n:
         raise ValueError(
-            f"broadcast: source={source} but axis {axis_name!r} has {n} replicas "
+            f"jdp.broadcast: source={source} but axis {axis_name!r} has {n} replicas "
             f"(indices 0..{n - 1})."
         )
     return jax.tree.map(lambda x: _pbroadcast(x, axis_name, source), tree)
@@ -257,8 +257,8 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
     """
     several = jax.process_count() > 1
     tree = _layout.shared(tree)
-    _check_replicated(tree, "assert_replicas_in_sync")
-    for name, leaf in leaves_with_paths(tree, "assert_replicas_in_sync input"):
+    _check_replicated(tree, "jdp.assert_replicas_in_sync")
+    for name, leaf in leaves_with_paths(tree, "jdp.assert_replicas_in_sync: the input"):
         replicas = _replicas(leaf)
         _assert_rows_close(name, replicas, atol, "replica", "Replicas", "replica 0")
         if several:
@@ -273,7 +273,8 @@ def _assert_rows_close(
         if not _close(rows[0], other, atol):
             diff = np.abs(rows[0].astype(np.float64) - other.astype(np.float64))
             raise AssertionError(
-                f"{title} out of sync at leaf {name}: {kind} {i} differs "
+                f"jdp.assert_replicas_in_sync: {title.lower()} out of sync at leaf {name}: {kind} {i} "
+                f"differs "
                 f"from {kind} 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
                 f"Call jdp.sync_replicas(tree) to re-broadcast {source}."
             )
@@ -284,7 +285,9 @@ def _replicas(x) -> list[np.ndarray]:
         x = jax.random.key_data(x)
     layout = _layout.layout_of_leaf(x)
     if layout is None:
-        raise ValueError(f"Not a replicated array: shape {np.shape(x)}, sharding {x.sharding}.")
+        raise ValueError(
+            f"jdp: not a replicated array: shape {np.shape(x)}, sharding {x.sharding}."
+        )
     return layout.replicas(x)
 
 

@@ -86,19 +86,19 @@ class TrainState:
         """
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(
-                "TrainState.create: tx must be an optax.GradientTransformation "
+                "jdp.TrainState.create: tx must be an optax.GradientTransformation "
                 f"(with init and update), got {type(tx).__name__}."
             )
         if loss_scale is None:
             loss_scale = NoOpLossScale()
         if not isinstance(loss_scale, (NoOpLossScale, StaticLossScale, DynamicLossScale)):
             raise TypeError(
-                "TrainState.create: loss_scale must be a jdp.NoOpLossScale, "
+                "jdp.TrainState.create: loss_scale must be a jdp.NoOpLossScale, "
                 f"StaticLossScale or DynamicLossScale, got {type(loss_scale).__name__}."
             )
         if rng is not None and not _is_key(rng):
             raise TypeError(
-                "TrainState.create: rng must be a PRNG key such as "
+                "jdp.TrainState.create: rng must be a PRNG key such as "
                 f"jax.random.key(0), got {rng!r:.60}."
             )
         return cls(

@@ -158,25 +158,25 @@ def make_train_step(
       (8,)
     """
     if not callable(loss_fn):
-        raise TypeError(f"make_train_step: loss_fn must be callable, got {loss_fn!r}.")
+        raise TypeError(f"jdp.make_train_step: loss_fn must be callable, got {loss_fn!r}.")
     flags = {"has_aux": has_aux, "has_model_state": has_model_state, "has_rng": has_rng}
     for flag, value in flags.items():
-        check_bool(value, flag, where="make_train_step")
-    check_name(axis_name, "axis_name", where="make_train_step")
+        check_bool(value, flag, where="jdp.make_train_step")
+    check_name(axis_name, "axis_name", where="jdp.make_train_step")
     unknown = sorted(set(deprecated) - set(DEPRECATED))
     if unknown:
-        raise TypeError(f"make_train_step() got an unexpected keyword argument {unknown[0]!r}.")
+        raise TypeError(f"jdp.make_train_step() got an unexpected keyword argument {unknown[0]!r}.")
     strategy = _strategy(strategy, {k: v for k, v in deprecated.items() if v is not None})
     if audit is not None and not isinstance(audit, Audit):
         raise TypeError(
-            f"make_train_step: audit must be a jdp.Audit, e.g. audit=jdp.Audit(every=100), "
+            f"jdp.make_train_step: audit must be a jdp.Audit, e.g. audit=jdp.Audit(every=100), "
             f"or None, got {audit!r:.80}."
         )
     extra_metrics = () if audit is None else (audit.metric(),)
     requested = _requested_metrics(metrics, log_grad_norm, log_learning_rate, extra_metrics)
     policy = as_policy(precision)
     extra = ("model_state",) * has_model_state + ("rng",) * has_rng
-    check_call(loss_fn, extra, "make_train_step", "loss_fn")
+    check_call(loss_fn, extra, "jdp.make_train_step", "loss_fn")
     forward = make_forward(loss_fn, policy, has_aux, has_model_state, has_rng)
     fn = _build_step(forward, strategy, axis_name, has_model_state, has_rng, requested, policy)
     rules = {**_OWN_RULES, **dict(strategy.metric_rules), **{m.name: m.rule for m in requested}}
@@ -192,18 +192,20 @@ def _requested_metrics(
     """``metrics``, with the two flags and the step's ``own`` as Metric values, checked once."""
     if isinstance(metrics, Metric) or not isinstance(metrics, Sequence):
         raise TypeError(
-            "make_train_step: metrics must be a list of jdp.metrics.Metric values, e.g. "
+            "jdp.make_train_step: metrics must be a list of jdp.metrics.Metric values, e.g. "
             f"metrics=[jdp.metrics.grad_norm()], got {metrics!r:.80}."
         )
     out = list(metrics)
     for m in out:
         if not isinstance(m, Metric):
             raise TypeError(
-                f"make_train_step: metrics holds {m!r:.60}, not a jdp.metrics.Metric; build one "
+                f"jdp.make_train_step: metrics holds {m!r:.60}, not a jdp.metrics.Metric; build one "
                 "with jdp.metrics.Metric(name, compute, rule)."
             )
     if not isinstance(log_grad_norm, bool):
-        raise TypeError(f"make_train_step: log_grad_norm must be a bool, got {log_grad_norm!r}.")
+        raise TypeError(
+            f"jdp.make_train_step: log_grad_norm must be a bool, got {log_grad_norm!r}."
+        )
     if log_grad_norm:
         out.append(_metrics.grad_norm())
     if log_learning_rate is not False:
@@ -213,7 +215,7 @@ def _requested_metrics(
     repeated = sorted({n for n in names if names.count(n) > 1} | (set(names) & _RESERVED))
     if repeated:
         raise ValueError(
-            f"make_train_step: metric names {repeated} are given twice or are the step's own "
+            f"jdp.make_train_step: metric names {repeated} are given twice or are the step's own "
             f"({', '.join(sorted(_RESERVED))}); rename them."
         )
     return tuple(out)
@@ -223,7 +225,7 @@ def _strategy(strategy: Strategy | None, legacy: dict[str, Any]) -> Strategy:
     """The step's strategy; the deprecated keyword arguments mapped onto one."""
     if strategy is not None and not isinstance(strategy, Strategy):
         raise TypeError(
-            "make_train_step: strategy must be a jdp.strategies.Strategy, e.g. "
+            "jdp.make_train_step: strategy must be a jdp.strategies.Strategy, e.g. "
             f"jdp.strategies.zero1(), got {strategy!r:.80}."
         )
     if not legacy:
@@ -231,19 +233,19 @@ def _strategy(strategy: Strategy | None, legacy: dict[str, Any]) -> Strategy:
     names = ", ".join(f"{k}={v!r}" for k, v in legacy.items())
     if strategy is not None:
         raise ValueError(
-            f"make_train_step: {names} and strategy= both choose how gradients cross replicas; "
+            f"jdp.make_train_step: {names} and strategy= both choose how gradients cross replicas; "
             "pass the options to the strategy's constructor instead, e.g. "
             "strategy=jdp.strategies.data_parallel(accumulate_steps=2)."
         )
     deprecated = dict(legacy)
     shard = legacy.pop("shard_optimizer", False)
     if not isinstance(shard, bool):
-        raise TypeError(f"make_train_step: shard_optimizer must be a bool, got {shard!r}.")
+        raise TypeError(f"jdp.make_train_step: shard_optimizer must be a bool, got {shard!r}.")
     g = legacy.pop("virtual_replicas", None)
     options = {"reduce" if k == "grad_reduce" else k: v for k, v in legacy.items()}
     if g is not None and (shard or options):
         raise ValueError(
-            f"make_train_step: virtual_replicas (exact mode) does not combine with {names}: "
+            f"jdp.make_train_step: virtual_replicas (exact mode) does not combine with {names}: "
             "exact mode has its own micro-batches and reduction. Use "
             "strategy=jdp.strategies.exact(virtual_replicas) alone."
         )
@@ -284,7 +286,7 @@ def _build_step(
         clash = sorted(set(out.aux) & (set(own) | _RESERVED | {m.name for m in requested}))
         if clash:
             raise ValueError(
-                f"aux keys {clash} are reserved for jdp's own metrics (or the step's metrics=, "
+                f"jdp.make_train_step: aux keys {clash} are reserved for jdp's own metrics (or the step's metrics=, "
                 f"or jdp.fit's history rows: {', '.join(ROW_KEYS)}); rename them."
             )
         view = StepView(
@@ -319,23 +321,23 @@ def _check_state(state: object, has_model_state: bool, has_rng: bool) -> None:
     """Trace-time checks of the state against the step's options."""
     if not isinstance(state, TrainState):
         raise TypeError(
-            f"train_step: state must be a jdp.TrainState, got {type(state).__name__}. "
+            f"jdp.make_train_step: the step's state must be a jdp.TrainState, got {type(state).__name__}. "
             "Build one with jdp.TrainState.create(params=..., tx=...)."
         )
     if has_rng and state.rng is None:
         raise ValueError(
-            "make_train_step(has_rng=True) needs a key in the state: "
+            "jdp.make_train_step(has_rng=True) needs a key in the state: "
             "TrainState.create(..., rng=jax.random.key(0))."
         )
     if has_model_state and state.model_state is None:
         raise ValueError(
-            "make_train_step(has_model_state=True) needs model state in the state: "
+            "jdp.make_train_step(has_model_state=True) needs model state in the state: "
             "TrainState.create(..., model_state=variables['batch_stats'])."
         )
-    for name, leaf in leaves_with_paths(state.params, "state.params"):
+    for name, leaf in leaves_with_paths(state.params, "jdp.make_train_step: state.params"):
         if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact):
             raise TypeError(
-                f"Parameter {name} has dtype {leaf.dtype}; every leaf of params must be "
+                f"jdp.make_train_step: parameter {name} has dtype {leaf.dtype}; every leaf of params must be "
                 "floating to be differentiated. Move integer values (counters, RNG "
                 "state) into model_state or out of the state."
             )

@@ -79,7 +79,7 @@ def replace(obj: _T, **changes: Any) -> _T:
     names = {f.name for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
     unknown = set(changes) - names
     if unknown:
-        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}.")
+        raise TypeError(f"jdp: {type(obj).__name__} has no field(s) {sorted(unknown)}.")
     new = copy.copy(obj)
     for name, value in changes.items():
         object.__setattr__(new, name, value)

@@ -48,7 +48,7 @@ class WeightedLoss:
         weight = self.weight
         if not isinstance(weight, jax.core.Tracer) and np.any(np.asarray(weight) < 0):
             raise ValueError(
-                f"WeightedLoss.weight must be >= 0 (what the total is summed over), got "
+                f"jdp.WeightedLoss.weight must be >= 0 (what the total is summed over), got "
                 f"{np.asarray(weight)}; a negative weight would drop this replica's update."
             )
 
@@ -87,7 +87,7 @@ def weighted_mean(values: jax.typing.ArrayLike, mask: jax.typing.ArrayLike | Non
     mask = jnp.asarray(mask)
     if values.shape[: mask.ndim] != mask.shape:
         raise ValueError(
-            f"weighted_mean: the mask's shape {mask.shape} must be a prefix of the values' "
+            f"jdp.weighted_mean: the mask's shape {mask.shape} must be a prefix of the values' "
             f"shape {values.shape} (one weight per example, or per token)."
         )
     weights = jnp.broadcast_to(

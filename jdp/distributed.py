@@ -312,9 +312,10 @@ def check_initialized() -> None:
     """
     if ENV_COORDINATOR in os.environ and not _CALLED:
         raise RuntimeError(
-            f"This process was started by jdp.launch as process "
-            f"{os.environ.get(ENV_PROCESS_ID)} of {os.environ.get(ENV_NUM_PROCESSES)}, but "
-            "jdp.distributed.initialize() was not called. Call it first thing in the script."
+            "jdp.distributed.initialize() was not called, but jdp.launch started this "
+            f"process as process {os.environ.get(ENV_PROCESS_ID)} of "
+            f"{os.environ.get(ENV_NUM_PROCESSES)}: alone, it would train on its slice only. "
+            "Call jdp.distributed.initialize() first thing in the script."
         )
 
 

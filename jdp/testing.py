@@ -73,27 +73,27 @@ def check_exact(
 def _check_arguments(make_step, batches, device_counts, backend, available: int) -> None:
     if backend not in BACKENDS:
         raise TypeError(
-            f"check_exact: backend must be jdp.shard_map or jdp.pmap (the function), got {backend!r}."
+            f"jdp.check_exact: backend must be jdp.shard_map or jdp.pmap (the function), got {backend!r}."
         )
     counts = list(device_counts)
     if not counts or any(isinstance(n, bool) or not isinstance(n, int) for n in counts):
         raise TypeError(
-            f"check_exact: device_counts must be a sequence of ints, got {device_counts!r}."
+            f"jdp.check_exact: device_counts must be a sequence of ints, got {device_counts!r}."
         )
     if any(not 1 <= n <= available for n in counts):
         raise ValueError(
-            f"check_exact: device_counts={tuple(counts)} but {available} devices are here; "
+            f"jdp.check_exact: device_counts={tuple(counts)} but {available} devices are here; "
             f"each count must be between 1 and {available} (e.g. jdp.force_cpu_devices(8) "
             "before JAX starts, on a CPU)."
         )
     if len(batches) == 0:
-        raise ValueError("check_exact: batches is empty; pass at least one global batch.")
+        raise ValueError("jdp.check_exact: batches is empty; pass at least one global batch.")
     step = make_step()
     strategy = getattr(step, "strategy", None)
     if not isinstance(step, TrainStep) or strategy is None or strategy.name != "exact":
         name = strategy.name if strategy is not None else type(step).__name__
         raise ValueError(
-            f"check_exact: the step is not in exact mode (its strategy is {name}); only "
+            f"jdp.check_exact: the step is not in exact mode (its strategy is {name}); only "
             "exact mode promises the same bits on every device count. Build it with "
             "jdp.make_train_step(loss, strategy=jdp.strategies.exact(G))."
         )
@@ -113,7 +113,7 @@ def _run(make_step, state, batches, backend, devices) -> Any:
             assert_replicas_in_sync(placed)
         except AssertionError as e:
             raise AssertionError(
-                f"Exact mode broke on {n} devices after step {i + 1}: {e}"
+                f"jdp.check_exact: exact mode broke on {n} devices after step {i + 1}: {e}"
             ) from None
     # Device 0's metrics; "weight" is each device's own share, so it is left out.
     first = {name: m[0] for name, m in metrics.items() if name != "weight"}
@@ -129,7 +129,7 @@ def _assert_bitwise(a, b, n_a: int, n_b: int) -> None:
             name = jax.tree_util.keystr(path)
             diff = np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))
             raise AssertionError(
-                f"Exact mode broke: {name} differs between {n_a} and {n_b} devices by up to "
+                f"jdp.check_exact: exact mode broke: {name} differs between {n_a} and {n_b} devices by up to "
                 f"{diff:.3g}. The guarantee depends on how XLA compiles the step: report the "
                 "model, the JAX version and the backend."
             )

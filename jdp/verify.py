@@ -75,7 +75,7 @@ def compare_histories(
     logged_a, logged_b = _logged(a, leaf_names), _logged(b, leaf_names)
     if not set(logged_a) & set(logged_b):
         raise ValueError(
-            "compare_histories: the two histories share no step with a logged fingerprint; "
+            "jdp.verify.compare_histories: the two histories share no step with a logged fingerprint; "
             "train both with make_train_step(..., metrics=[jdp.metrics.fingerprint()]) and "
             "the same log_every."
         )

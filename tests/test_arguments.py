@@ -280,13 +280,13 @@ def _loss(params, batch):
         (
             lambda: jdp.make_eval_step(lambda p, b: {}, has_model_state="no"),
             TypeError,
-            "^make_eval_step: has_model_state must be True or False",
+            "^jdp.make_eval_step: has_model_state must be True or False",
         ),
-        (lambda: jdp.Checkpointer(5), TypeError, r"^Checkpointer: directory must be a path"),
+        (lambda: jdp.Checkpointer(5), TypeError, r"^jdp.Checkpointer: directory must be a path"),
         (
             lambda: jdp.Checkpointer("/tmp/jdp-unused", async_save="no"),
             TypeError,
-            "^Checkpointer: async_save must be True or False",
+            "^jdp.Checkpointer: async_save must be True or False",
         ),
         (
             lambda: jdp.strategies.data_parallel(communication=jnp.int8),
@@ -306,11 +306,15 @@ def _loss(params, batch):
         ),
         (lambda: jdp.replicate({"w": jnp.ones(3)}, devices=[]), ValueError, "devices is empty"),
         (lambda: jdp.shard({"w": np.ones((8, 3))}, devices=[]), ValueError, "devices is empty"),
-        (lambda: jdp.Policy(compute_dtype="float8"), TypeError, "^Policy: compute_dtype must be"),
+        (
+            lambda: jdp.Policy(compute_dtype="float8"),
+            TypeError,
+            "^jdp.Policy: compute_dtype must be",
+        ),
         (
             lambda: jdp.evaluate(jdp.shard_map(jdp.make_eval_step(lambda p, b: {})), None, None),
             TypeError,
-            "^evaluate: batches must be an iterable",
+            "^jdp.evaluate: batches must be an iterable",
         ),
         (
             lambda: jdp.distributed.initialize("127.0.0.1:1234", "2", 0),

@@ -89,7 +89,9 @@ def test_a_hundred_random_faults_are_caught_the_step_they_happen_and_named(backe
             step.check_audit()
         message = str(caught.value)
         device = devices[replica]
-        assert message.startswith(f"Replicas disagree after step {at}: replica {replica} "), trial
+        assert message.startswith(
+            f"jdp.Audit: replicas disagree after step {at}: replica {replica} "
+        ), trial
         assert f"(device {device}, process {device.process_index})" in message
         assert f"7 of the 8 replicas hold, first at leaf state{names[leaf]}." in message
 
@@ -128,7 +130,9 @@ def test_warn_reports_and_training_goes_on(backend):
             state, metrics = step(state, step.shard((DATA[i], rows)))
         step.check_audit()
     # Steps 2, 3 and 4 disagree; the warning comes once, naming the first.
-    assert [str(w.message)[:43] for w in caught] == ["Replicas disagree after step 2: replica 3 ("]
+    assert [str(w.message)[:54] for w in caught] == [
+        "jdp.Audit: replicas disagree after step 2: replica 3 ("
+    ]
     assert caught[0].category is RuntimeWarning
     assert np.asarray(metrics["audit"])[0].tolist() == [4, 3, 1, 7]
     assert int(jdp.unreplicate(state).step) == 4
@@ -177,7 +181,9 @@ def test_stop_ends_the_process_naming_the_replica(tmp_path):
     )
     assert out.returncode == 1, out.stderr[-2000:]
     assert "not reached" not in out.stdout
-    assert re.search(r"\[jdp\] Replicas disagree after step 1: replica 2 \(device", out.stderr)
+    assert re.search(
+        r"\[jdp\] jdp.Audit: replicas disagree after step 1: replica 2 \(device", out.stderr
+    )
 
 
 def test_a_two_replica_mismatch_says_no_majority(backend):
@@ -249,5 +255,5 @@ def test_stop_across_two_processes_ends_the_job(tmp_path):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode != 0
     assert "not reached" not in run.stdout
-    assert "Replicas disagree after step 2: replica 3 (device" in run.stderr
+    assert "jdp.Audit: replicas disagree after step 2: replica 3 (device" in run.stderr
     assert "process 1) differs from the value 3 of the 4 replicas hold" in run.stderr

@@ -145,7 +145,7 @@ def test_no_intact_checkpoint_is_an_error(tmp_path):
     state = trained_state(steps=1)
     ckpt.save(1, state)
     _corrupt(tmp_path / "1")
-    with pytest.raises(jdp.CheckpointError, match=r"No intact checkpoint in .*step 1"):
+    with pytest.raises(jdp.CheckpointError, match=r"no intact checkpoint in .*step 1"):
         jdp.Checkpointer(tmp_path).restore(state)
 
 
@@ -163,10 +163,10 @@ def test_unfinished_write_is_invisible(tmp_path):
 
 def test_missing_checkpoint_errors(tmp_path):
     state = trained_state(steps=0)
-    with pytest.raises(FileNotFoundError, match="No checkpoint in"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         jdp.Checkpointer(tmp_path).restore(state)
     jdp.Checkpointer(tmp_path).save(0, state)
-    with pytest.raises(FileNotFoundError, match=r"No checkpoint 5 .* available: \[0\]"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint 5 .* available: \[0\]"):
         jdp.Checkpointer(tmp_path).restore(state, step=5)
 
 

@@ -76,7 +76,8 @@ def test_forgetting_initialize_under_the_launcher_is_an_error(monkeypatch):
     monkeypatch.setenv(distributed.ENV_PROCESS_ID, "1")
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
     with pytest.raises(
-        RuntimeError, match="process 1 of 2, but jdp.distributed.initialize\\(\\) was not called"
+        RuntimeError,
+        match="initialize\\(\\) was not called, but jdp.launch started this process as process 1 of 2",
     ):
         jdp.pmap(jdp.make_train_step(models.mlp_loss))
     with pytest.raises(RuntimeError, match="was not called"):
@@ -99,5 +100,5 @@ def test_a_checkpoint_folder_per_process_is_refused_naming_the_folders(tmp_path)
     assert run.returncode == 3, run.stderr[-3000:]
     for i in (0, 1):
         assert f"process {i}: {tmp_path / str(i)}" in run.stdout, run.stdout[-3000:]
-    assert "refused: Checkpointer: the processes name different folders" in run.stdout
+    assert "refused: jdp.Checkpointer: the processes name different folders" in run.stdout
     assert time.monotonic() - start < 60

@@ -1,5 +1,8 @@
 """Every user error gets a clear message that says what and how to fix it."""
 
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -141,3 +144,110 @@ def test_train_state_rejects_a_seed_as_rng():
         TypeError, match=r"rng must be a PRNG key such as jax.random.key\(0\), got 0"
     ):
         jdp.TrainState.create(params={}, tx=optax.sgd(0.1), rng=0)
+
+
+# The placeholders a message may open with: each names the public function,
+# class or step its caller passes (``"jdp.fit"``, ``"jdp.shard_map step"``).
+CALLER_NAMED = {"what", "where", "who", "name", "backend"}
+
+
+def _opening(message):
+    """A raised message's first characters, or its first placeholder's name."""
+    if isinstance(message, ast.Constant) and isinstance(message.value, str):
+        return message.value
+    if isinstance(message, ast.JoinedStr):
+        first = message.values[0]
+        if isinstance(first, ast.Constant):
+            return first.value
+        return "{" + ast.unparse(first.value) + "}"
+    return None  # a message built elsewhere (a variable, a call): checked where it is built
+
+
+def test_every_error_jdp_raises_opens_with_jdp():
+    """One prefix: ``jdp.<the function, class or step at fault>: `` (or ``jdp: ``).
+
+    Scans every ``raise ...Error(message)`` in jdp/ (the demo's command-line
+    errors aside: argparse names the flag); a message that opens with a
+    placeholder gets it from its caller, and every caller's literal is checked
+    by the same scan of the call sites below.
+    """
+    root = pathlib.Path(jdp.__file__).parent
+    wrong = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "demo.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)):
+                continue
+            if not node.exc.args or not getattr(node.exc.func, "id", "").endswith("Error"):
+                continue
+            opening = _opening(node.exc.args[0])
+            if opening is None or opening.startswith(("jdp.", "jdp:")):
+                continue
+            placeholder = opening[1:].split("}")[0] if opening.startswith("{") else None
+            if placeholder in CALLER_NAMED or (placeholder or "").startswith("title"):
+                continue
+            wrong.append(f"{path.relative_to(root)}:{node.lineno}: {opening[:60]!r}")
+    assert not wrong, "messages that do not open with jdp:\n" + "\n".join(wrong)
+
+
+# Where each helper that opens a message with its caller's name takes it.
+NAME_ARGUMENT = {
+    **dict.fromkeys(("check_int", "check_bool", "check_name"), "where"),
+    **dict.fromkeys(("check_call", "divisible_batch_size", "shard_blocks"), 2),
+    **dict.fromkeys(("check_state", "check_reduce"), 3),
+    **dict.fromkeys(("check_per_replica_rows", "check_model_state", "timeout_seconds"), 2),
+    **dict.fromkeys(("require",), 2),
+    **dict.fromkeys(("_check_scale",), 0),
+    **dict.fromkeys(
+        (
+            "refuse_consumed",
+            "refuse_placed",
+            "_check_replicated",
+            "_check_single_copy",
+            "check_replicas_agree",
+            "leaves_with_paths",
+            "batch_size",
+        ),
+        1,
+    ),
+}
+
+
+def test_every_caller_named_prefix_opens_with_jdp():
+    """The names callers pass for those placeholders are jdp's public names."""
+    root = pathlib.Path(jdp.__file__).parent
+    wrong, seen = [], 0
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            where = NAME_ARGUMENT.get(callee)
+            if isinstance(where, str):
+                given = next((k.value for k in node.keywords if k.arg == where), None)
+            else:
+                given = node.args[where] if where is not None and len(node.args) > where else None
+            opening = None if given is None else _opening(given)
+            if opening is None or opening.startswith("{"):
+                continue  # passed on from its own caller, whose literal this scan checks
+            seen += 1
+            if not opening.startswith("jdp."):
+                wrong.append(f"{path.relative_to(root)}:{node.lineno}: {callee}({opening!r})")
+    assert seen > 40 and not wrong, (seen, wrong)
+
+
+@pytest.mark.parametrize(
+    ("call", "opening"),
+    [
+        (lambda: jdp.fit(None, None, [], num_steps=-1), "jdp.fit: "),
+        (lambda: jdp.shard({"x": jnp.zeros((3, 2))}), "jdp.shard: cannot shard batch leaf"),
+        (lambda: jdp.make_train_step("loss"), "jdp.make_train_step: loss_fn must be callable"),
+        (lambda: jdp.unreplicate({"x": jnp.zeros(3)}), "jdp.unreplicate expects"),
+        (lambda: jdp.Checkpointer(3), "jdp.Checkpointer: directory must be a path"),
+    ],
+)
+def test_messages_open_with_the_public_name_at_run_time(call, opening):
+    with pytest.raises((TypeError, ValueError)) as caught:
+        call()
+    assert str(caught.value).startswith(opening), str(caught.value)

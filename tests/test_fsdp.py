@@ -212,7 +212,7 @@ def test_misuse_gets_clear_errors():
     plain = models.backend("pmap", jdp.make_train_step(models.mlp_loss), 4)
     fresh = jdp.TrainState.create(params=PARAMS, tx=optax.adam(1e-3))
     batch = DATA[0]
-    with pytest.raises(TypeError, match=r"fsdp\(\) step needs the state split.*step.replicate"):
+    with pytest.raises(TypeError, match=r"fsdp: the step needs the state split.*step.replicate"):
         sharded(jdp.replicate(fresh, models.devices(4)), sharded.shard(batch))
     with pytest.raises(TypeError, match="placed per replica by another strategy.*unreplicate"):
         plain(sharded.replicate(fresh), plain.shard(batch))

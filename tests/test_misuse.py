@@ -78,7 +78,7 @@ def test_reusing_a_consumed_state_is_an_error_not_a_segfault(backend):
         print("ok", float(step.unreplicate(new).params))
     """)
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "ERROR: This state was consumed by an earlier step call" in run.stdout
+    assert "ERROR: jdp: this state was consumed by an earlier step call" in run.stdout
     assert "Use the state the step returned" in run.stdout
     assert float(run.stdout.rsplit("ok ", 1)[1]) == pytest.approx(0.64)
 
@@ -314,7 +314,7 @@ def test_integer_leaf_in_params():
     params = {**models.mlp_params(), "count": jnp.zeros((), jnp.int32)}
     state = jdp.TrainState.create(params=params, tx=optax.sgd(0.1))
     step = jdp.pmap(jdp.make_train_step(models.mlp_loss))
-    with pytest.raises(TypeError, match=r"Parameter \['count'\] has dtype int32"):
+    with pytest.raises(TypeError, match=r"parameter \['count'\] has dtype int32"):
         step(step.replicate(state), step.shard(models.regression_batch(16)))
 
 

@@ -191,25 +191,25 @@ def plain_state():
         (
             lambda p, b, state: (models.mlp_loss(p, b), state),
             {"has_model_state": True},
-            r"^make_train_step\(has_model_state=True\) calls loss_fn\(params, batch, "
+            r"^jdp.make_train_step\(has_model_state=True\) calls loss_fn\(params, batch, "
             r"model_state=\.\.\.\) by keyword, but loss_fn takes \(p, b, state\): name that "
             "parameter model_state",
         ),
         (
             lambda p, b, key: models.mlp_loss(p, b),
             {"has_rng": True},
-            r"^make_train_step\(has_rng=True\) calls loss_fn\(params, batch, rng=\.\.\.\)",
+            r"^jdp.make_train_step\(has_rng=True\) calls loss_fn\(params, batch, rng=\.\.\.\)",
         ),
         (
             lambda p, b, model_state: models.mlp_loss(p, b),
             {},
-            r"^make_train_step: loss_fn\(p, b, model_state\) cannot be called as "
+            r"^jdp.make_train_step: loss_fn\(p, b, model_state\) cannot be called as "
             r"loss_fn\(params, batch\) .*build the step with has_model_state=True",
         ),
         (
             lambda p: models.mlp_loss(p, BATCH),
             {},
-            r"^make_train_step: loss_fn\(p\) cannot be called as loss_fn\(params, batch\)",
+            r"^jdp.make_train_step: loss_fn\(p\) cannot be called as loss_fn\(params, batch\)",
         ),
     ],
 )
@@ -231,9 +231,11 @@ def test_losses_taking_keywords_any_way_are_accepted():
 
 
 def test_make_eval_step_checks_its_metric_function_too():
-    with pytest.raises(TypeError, match=r"^make_eval_step\(has_model_state=True\) calls metric_fn"):
+    with pytest.raises(
+        TypeError, match=r"^jdp.make_eval_step\(has_model_state=True\) calls metric_fn"
+    ):
         jdp.make_eval_step(lambda p, b, stats: {}, has_model_state=True)
-    with pytest.raises(TypeError, match="^make_eval_step: metric_fn must be callable"):
+    with pytest.raises(TypeError, match="^jdp.make_eval_step: metric_fn must be callable"):
         jdp.make_eval_step("loss")
 
 
@@ -243,12 +245,12 @@ def test_make_eval_step_checks_its_metric_function_too():
         (
             lambda ms: {**ms, "extra": jnp.zeros(())},
             ValueError,
-            r"^loss_fn returned a model state of another structure than state.model_state",
+            r"^jdp.make_train_step: loss_fn returned a model state of another structure than state.model_state",
         ),
         (
             lambda ms: {"count": ms["count"].astype(jnp.int32)},
             TypeError,
-            r"^loss_fn returned model state leaf \['count'\] as int32\[\], but state.model_state "
+            r"^jdp.make_train_step: loss_fn returned model state leaf \['count'\] as int32\[\], but state.model_state "
             r"holds float32\[\]",
         ),
         (
@@ -290,8 +292,12 @@ def test_an_nnx_loss_returning_the_module_is_told_what_to_return():
 @pytest.mark.parametrize(
     ("value", "error", "match"),
     [
-        (lambda b: "hello", TypeError, r"^aux\['v'\] is a str \('hello'\); aux values are numeric"),
-        (lambda b: {"nested": 1.0}, TypeError, r"^aux\['v'\] is a dict"),
+        (
+            lambda b: "hello",
+            TypeError,
+            r"^jdp.make_train_step: aux\['v'\] is a str \('hello'\); aux values are numeric",
+        ),
+        (lambda b: {"nested": 1.0}, TypeError, r"^jdp.make_train_step: aux\['v'\] is a dict"),
     ],
 )
 def test_aux_values_must_be_numeric(value, error, match):
@@ -307,7 +313,9 @@ def test_an_evaluation_metric_named_as_evaluate_or_fit_name_their_entries_is_ref
     evaluator = jdp.shard_map(
         jdp.make_eval_step(lambda p, b: {name: jnp.sum(b["x"], -1), "e": jnp.sum(b["x"], -1)})
     )
-    with pytest.raises(ValueError, match=f"^metric_fn returned a metric named '{name}'"):
+    with pytest.raises(
+        ValueError, match=f"^jdp.make_eval_step: metric_fn returned a metric named '{name}'"
+    ):
         jdp.evaluate(evaluator, evaluator.replicate(plain_state()), [BATCH])
 
 
@@ -315,7 +323,7 @@ def test_an_aux_metric_named_as_fit_names_its_row_entries_is_refused():
     def loss(params, batch):
         return models.mlp_loss(params, batch), {"step": jnp.float32(1.0)}
 
-    with pytest.raises(ValueError, match=r"^aux keys \['step'\] are reserved"):
+    with pytest.raises(ValueError, match=r"^jdp.make_train_step: aux keys \['step'\] are reserved"):
         run_once(loss, has_aux=True)
 
 
@@ -323,7 +331,10 @@ def test_a_list_of_examples_or_a_ragged_list_is_told_how_to_become_a_batch():
     step = jdp.shard_map(jdp.make_train_step(models.mlp_loss))
     records = [{"x": BATCH["x"][i], "y": BATCH["y"][i]} for i in range(16)]
     for shard in (step.shard, jdp.shard):
-        with pytest.raises(TypeError, match=r"^batch is a list of 16 dicts, one per example\?"):
+        with pytest.raises(
+            TypeError,
+            match=r"^jdp\.(shard|ShardMapStep\.shard): the batch is a list of 16 dicts, one per example\?",
+        ):
             shard(records)
     scalars = [{"x": 1.0, "y": 2.0}] * 16
     with pytest.raises(TypeError, match="list of 16 dicts"):

@@ -120,7 +120,7 @@ def test_replicas_that_disagree_are_refused_by_the_step_and_by_fit(backend):
         step(per_device_init(0), step.shard(DATA))
     agreed = step.replicate(state(rng=jax.random.key(0)))
     step(agreed, step.shard(DATA))  # the first call checked; later calls cost nothing more
-    with pytest.raises(ValueError, match="^fit: " + match):
+    with pytest.raises(ValueError, match="^jdp.fit: " + match):
         jdp.fit(step, per_device_init(1), [DATA], num_steps=1, progress=False)
 
 

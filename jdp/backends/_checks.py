@@ -13,14 +13,14 @@ from jdp._tree import PyTree
 
 
 def check_pmap_inputs(state: PyTree, batch: PyTree, n: int) -> None:
-    check_state(state, n, _layout.LEADING_AXIS)
+    check_state(state, n, _layout.LEADING_AXIS, "jdp.pmap step")
     if not _leading_axes_ok(batch, lambda size: size == n):
         _explain_leading(batch, n)
 
 
 def check_global_batch(batch: PyTree, n: int, warn: bool) -> None:
     if not _leading_axes_ok(batch, lambda size: size % n == 0):
-        divisible_batch_size(batch, n)  # raises, naming the leaf
+        divisible_batch_size(batch, n, "jdp.shard_map step")  # raises, naming the leaf
     if warn and n > 1 and _leading_axes_ok(batch, lambda s: s == n):
         warnings.warn(
             f"Every batch leaf has a leading axis of {n}, the device count: one example "
@@ -31,7 +31,7 @@ def check_global_batch(batch: PyTree, n: int, warn: bool) -> None:
         )
 
 
-def check_state(state: PyTree, n: int, layout: _layout.Layout) -> None:
+def check_state(state: PyTree, n: int, layout: _layout.Layout, what: str) -> None:
     """A TrainState's step counter says which layout it is in (works on tracers)."""
     if not isinstance(state, TrainState):
         return
@@ -41,30 +41,30 @@ def check_state(state: PyTree, n: int, layout: _layout.Layout) -> None:
             return
         if ndim == 1:
             raise ValueError(
-                f"The state is replicated for {state.step.shape[0]} devices but this "
+                f"{what}: the state is replicated for {state.step.shape[0]} devices but this "
                 f"step runs on {n}. Re-place it: state = step.replicate(step.unreplicate(state))."
             )
         raise ValueError(
-            "The state is not replicated: state.step has shape "
+            f"{what}: the state is not replicated: state.step has shape "
             f"{np.shape(state.step)}, expected ({n},). Call state = step.replicate(state) "
             "before the first step."
         )
     if ndim == 0:
         return
     raise ValueError(
-        "jdp.shard_map expects the state as global replicated arrays (state.step "
+        f"{what}: jdp.shard_map expects the state as global replicated arrays (state.step "
         f"of shape ()), got state.step of shape {np.shape(state.step)}. Use "
         "state = step.replicate(state) on an unreplicated state."
     )
 
 
-def check_per_replica_rows(state: PyTree, n: int) -> None:
+def check_per_replica_rows(state: PyTree, n: int, what: str) -> None:
     """Leaves a strategy placed per replica have one row per device of this step."""
     rows = _layout.per_replica_leaves(state)
     for leaf, per_replica in zip(jax.tree.leaves(state), rows, strict=True):
         if per_replica and np.shape(leaf)[:1] != (n,):
             raise ValueError(
-                f"The state's strategy split it over {np.shape(leaf)[0]} devices but this "
+                f"{what}: the state's strategy split it over {np.shape(leaf)[0]} devices but this "
                 f"step runs on {n}. Re-place it: state = step.replicate(step.unreplicate(state))."
             )
 
@@ -78,10 +78,10 @@ def _leading_axes_ok(batch: PyTree, ok: Callable[[int], bool]) -> bool:
 
 
 def _explain_leading(batch: PyTree, n: int) -> None:
-    for name, leaf in leaves_with_paths(batch, "batch"):
+    for name, leaf in leaves_with_paths(batch, "jdp.pmap step: the batch"):
         if not leaf.shape or leaf.shape[0] != n:
             raise ValueError(
-                f"Batch leaf {name} has shape {leaf.shape}, but a pmap step on {n} "
+                f"jdp.pmap step: batch leaf {name} has shape {leaf.shape}, but a pmap step on {n} "
                 f"devices expects a leading device axis of {n}: pass "
                 "step.shard(batch) (or jdp.shard(batch))."
             )

@@ -91,7 +91,7 @@ class PmapStep(Backend[K]):
 
     def shard(self, batch: PyTree) -> PyTree:
         """``(B, ...)`` -> ``(n, B // n, ...)`` on the devices (see :func:`jdp.shard`)."""
-        return shard_blocks(batch, self._batch_sharding)
+        return shard_blocks(batch, self._batch_sharding, "jdp.PmapStep.shard")
 
 
 @overload

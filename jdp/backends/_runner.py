@@ -184,7 +184,7 @@ def _donation(step: PerReplicaStep, donate_state: bool | None, backend: str) -> 
 def _check_axis_name(step: PerReplicaStep, axis_name: str, backend: str) -> None:
     if step.axis_name != axis_name:
         raise ValueError(
-            f"The step was built with axis_name={step.axis_name!r} but jdp.{backend} "
+            f"jdp.{backend}: the step was built with axis_name={step.axis_name!r} but jdp.{backend} "
             f"binds axis_name={axis_name!r}; pass the same name to both."
         )
 
@@ -218,7 +218,7 @@ def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard:
     except (ValueError, TypeError, IndexError) as e:
         if _mapped_by_a_transform(e, state, batch):
             raise TypeError(
-                f"A jdp.{backend} step was called under jax.vmap or jax.pmap (or another "
+                f"jdp.{backend}: the step was called under jax.vmap or jax.pmap (or another "
                 "transform that maps over the inputs): it is mapped over the devices already. "
                 "Call it directly; to map the step yourself, map the per-replica step "
                 "(jax.pmap(jdp.make_train_step(...), axis_name=...)); to add work inside the "
@@ -227,14 +227,16 @@ def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard:
         if isinstance(e, ValueError) and "deleted or donated" in str(e) and _consumed(state):
             raise RuntimeError(_CONSUMED) from None
         if isinstance(e, TypeError) and "Error interpreting argument" in str(e):
-            leaves_with_paths(batch, "batch")  # jdp's own message, naming the leaf
-            leaves_with_paths(state, "state")
+            leaves_with_paths(
+                batch, f"jdp.{backend} step: the batch"
+            )  # jdp's own message, naming the leaf
+            leaves_with_paths(state, f"jdp.{backend} step: the state")
         raise
     except NameError as e:
         if "unbound axis name" not in str(e):
             raise
         raise NameError(
-            f"The step uses a collective over an axis jdp.{backend} does not bind: {e}. "
+            f"jdp.{backend}: the step uses a collective over an axis jdp.{backend} does not bind: {e}. "
             f"This backend binds axis_name={axis_name!r}; use that name in lax.psum/pmean "
             "calls inside the step (and in make_train_step(axis_name=...))."
         ) from None
@@ -255,7 +257,7 @@ def _mapped_by_a_transform(error: Exception, *trees: PyTree) -> bool:
     return bool(tracers) and layout
 
 
-_CONSUMED = "This state was consumed by an earlier step call: " + CONSUMED
+_CONSUMED = "jdp: this state was consumed by an earlier step call: " + CONSUMED
 
 
 def _consumed(state: PyTree) -> bool:

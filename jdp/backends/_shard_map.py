@@ -64,8 +64,8 @@ class ShardMapStep(Backend[K]):
     def _run(self, state: PyTree, batch: PyTree) -> PyTree:
         """Traced once per input structure: the checks, then the mapped step."""
         n = self.mesh.size
-        check_state(state, n, self.layout)
-        check_per_replica_rows(state, n)
+        check_state(state, n, self.layout, "jdp.shard_map step")
+        check_per_replica_rows(state, n, "jdp.shard_map step")
         if DEVICE_AXIS not in self.mesh.axis_names:
             batch = _from_pmap_layout(batch)
         # Only a host batch can be a pmap-layout batch reshaped by hand.
@@ -115,8 +115,10 @@ class ShardMapStep(Backend[K]):
         process); the parts of all processes, in process order, form the
         global batch.
         """
-        refuse_placed(batch, "ShardMapStep.shard", allowed=self._sharded)
-        divisible_batch_size(batch, len(self._sharded.addressable_devices))
+        refuse_placed(batch, "jdp.ShardMapStep.shard", allowed=self._sharded)
+        divisible_batch_size(
+            batch, len(self._sharded.addressable_devices), "jdp.ShardMapStep.shard"
+        )
         if jax.process_count() == 1:  # the whole global batch is here: one device_put per leaf
             return jax.tree.map(lambda x: jax.device_put(x, self._sharded), batch)
         return jax.tree.map(

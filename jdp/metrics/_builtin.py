@@ -60,7 +60,7 @@ def _rate(source, old_opt_state: PyTree, new_opt_state: PyTree) -> jax.Array:
         )
         if injected is None:
             raise ValueError(
-                "log_learning_rate=True reads the rate from optax.inject_hyperparams state, "
+                "jdp.metrics.learning_rate: log_learning_rate=True reads the rate from optax.inject_hyperparams state, "
                 "and the optimizer has none: wrap it, optax.inject_hyperparams(optax.adam)"
                 "(learning_rate=...), or pass the schedule: log_learning_rate=schedule."
             )
@@ -68,7 +68,7 @@ def _rate(source, old_opt_state: PyTree, new_opt_state: PyTree) -> jax.Array:
     counter = find(old_opt_state, lambda x: isinstance(x, optax.ScaleByScheduleState))
     if counter is None:
         raise ValueError(
-            "log_learning_rate=schedule needs an optimizer built with that schedule "
+            "jdp.metrics.learning_rate: log_learning_rate=schedule needs an optimizer built with that schedule "
             "(its state holds the schedule's count), e.g. optax.adam(schedule)."
         )
     return jnp.asarray(source(counter.count), jnp.float32)

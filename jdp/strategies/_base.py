@@ -157,7 +157,7 @@ def refuse_per_replica(state: TrainState, name: str, where: str = "state") -> No
     tree = state.params if where == "params" else state
     if _layout.has_per_replica(tree):
         raise TypeError(
-            f"The {where} holds values placed per replica by another strategy (split by "
+            f"jdp.strategies.{name}: the {where} holds values placed per replica by another strategy (split by "
             "jdp.strategies.zero1() or fsdp()), but this step's strategy, "
             f"jdp.strategies.{name}(), holds the whole {where} on every replica. Re-place it: "
             "state = step.replicate(sharded_step.unreplicate(state)), or build this step with "

@@ -60,7 +60,7 @@ def check_elementwise(update_fn: Callable[..., Any], sliced: list[bool], *args: 
     closed = jax.make_jaxpr(update_fn)(*args)
     if len(sliced) != len(closed.jaxpr.invars):
         raise ValueError(
-            f"check_elementwise: {len(sliced)} flags for {len(closed.jaxpr.invars)} inputs."
+            f"jdp: check_elementwise got {len(sliced)} flags for {len(closed.jaxpr.invars)} inputs."
         )
     flows = _flow(closed.jaxpr, [(bool(x), None) for x in sliced])
     found = next((t for _, t in flows if t is not None), None)

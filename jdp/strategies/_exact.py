@@ -188,7 +188,7 @@ def exact_gradients(
     mine = shared_weight if weighted else None
     if "virtual_replica_loss" in aux:
         raise ValueError(
-            "aux key 'virtual_replica_loss' is reserved for exact mode's own metric; rename it."
+            "jdp.strategies.exact: aux key 'virtual_replica_loss' is reserved for exact mode's own metric; rename it."
         )
     return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
 
@@ -225,14 +225,14 @@ def _virtual_replicas_here(batch: PyTree, virtual_replicas: int, n: int) -> PyTr
     """This device's part of the batch as ``(G / n, B / G, ...)``: its virtual replicas."""
     if virtual_replicas % n:
         raise ValueError(
-            f"virtual_replicas={virtual_replicas} is not divisible by the {n} devices the "
+            f"jdp.strategies.exact: virtual_replicas={virtual_replicas} is not divisible by the {n} devices the "
             "step runs on; use a device count that divides it (or another power of two)."
         )
     per_device = virtual_replicas // n
     size = jax.tree.leaves(batch)[0].shape[0]
     if size % per_device:
         raise ValueError(
-            f"The global batch of {size * n} examples does not split into "
+            f"jdp.strategies.exact: the global batch of {size * n} examples does not split into "
             f"virtual_replicas={virtual_replicas} micro-batches of equal size; use a batch "
             f"size divisible by {virtual_replicas}."
         )

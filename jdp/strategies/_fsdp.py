@@ -403,7 +403,7 @@ def place(state: TrainState, placement: Placement) -> TrainState:
     """
     if isinstance(state.params, ShardedOptState) or isinstance(state.opt_state, ShardedOptState):
         raise ValueError(
-            "replicate: the state is already split over devices; pass the whole state "
+            "jdp.strategies.fsdp: replicate got a state already split over devices; pass the whole state "
             "(step.unreplicate(state)) to place it again."
         )
     state = from_process0(state)

@@ -227,14 +227,14 @@ def _check_layout(opt_state: PyTree, shapes: tuple) -> None:
     count = len(jax.tree.leaves(opt_state))
     if count != len(shapes):
         raise ValueError(
-            "zero1: state.opt_state does not match state.tx.init(state.params) "
+            "jdp.strategies.zero1: state.opt_state does not match state.tx.init(state.params) "
             f"({count} leaves, expected {len(shapes)}); build the state with "
             "jdp.TrainState.create(params=..., tx=...)."
         )
     for x, shape in zip(jax.tree.leaves(opt_state), shapes, strict=True):
         if shape is not None and tuple(np.shape(x)) != shape:
             raise ValueError(
-                f"zero1: an optimizer state leaf has shape {np.shape(x)}, expected {shape} "
+                f"jdp.strategies.zero1: an optimizer state leaf has shape {np.shape(x)}, expected {shape} "
                 "(the logical layout of tx.init(params)). Was it placed already? Pass the "
                 "state as TrainState.create returns it."
             )
@@ -266,7 +266,7 @@ def place(state: TrainState, placement: Placement) -> TrainState:
     """
     if isinstance(state.opt_state, ShardedOptState):
         raise ValueError(
-            "replicate: the state's optimizer state is already split over devices; pass the "
+            "jdp.strategies.zero1: replicate got a state whose optimizer state is already split over devices; pass the "
             "whole state (step.unreplicate(state)) to place it again."
         )
     state = from_process0(state)
@@ -347,7 +347,7 @@ def check_sharded(sharded: object, n: int, name: str) -> None:
     """The state holds a value split by a sharded strategy, ``n`` ways."""
     if not isinstance(sharded, ShardedOptState):
         raise TypeError(
-            f"A jdp.strategies.{name}() step needs the state split over the devices, got "
+            f"jdp.strategies.{name}: the step needs the state split over the devices, got "
             f"a {type(sharded).__name__}. Place the state with the wrapped step: state = "
             "step.replicate(jdp.TrainState.create(...)). If that step is a plain function "
             f"around the {name} step (an EMA or metric wrapper), the backend could not see the "
@@ -355,7 +355,7 @@ def check_sharded(sharded: object, n: int, name: str) -> None:
         )
     if sharded.num_shards != n:
         raise ValueError(
-            f"The state is split {sharded.num_shards} ways but the step runs on {n} "
+            f"jdp.strategies.{name}: the state is split {sharded.num_shards} ways but the step runs on {n} "
             "devices. Re-place it: state = step.replicate(other_step.unreplicate(state)), or "
             "restore a checkpoint (checkpoints hold the whole state)."
         )
