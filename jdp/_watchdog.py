@@ -135,6 +135,16 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
     atexit.register(_finish)
 
 
+def counts_results() -> bool:
+    """Whether :func:`note_result` wants step results (several processes only).
+
+    Asked before a step's outputs are inspected, so a single process pays
+    nothing per call for the count.
+    """
+    job = _JOB
+    return job is not None and job.results is not None
+
+
 def note_result(result: Any) -> None:
     """A step call's result (a few small arrays): a thread counts when the device finishes it.
 

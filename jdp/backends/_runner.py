@@ -119,8 +119,10 @@ class Backend(abc.ABC, Generic[K]):
             return self(other, batch)
         if self._audit is not None:
             self._audit.note(out[1], out[0])
-        if not _traced(state):  # the metrics: never donated, so safe to wait for
-            _watchdog.note_result(out[1] if isinstance(self.step, TrainStep) else out)
+        if _watchdog.counts_results():  # several processes; the metrics are never donated
+            result = out[1] if isinstance(self.step, TrainStep) else out
+            if not _traced(result):
+                _watchdog.note_result(result)
         return out
 
     def check_audit(self) -> None:
