@@ -46,7 +46,8 @@ def _copies(tree: PyTree, layout: _layout.Layout, mesh: Mesh) -> PyTree:
 
 
 def _check_single_copy(tree: PyTree, what: str) -> None:
-    """Refuses a tree that is already spread over several devices."""
+    """Refuses a tree a step consumed, or one already spread over several devices."""
+    refuse_consumed(tree, what)
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
             raise ValueError(

@@ -83,6 +83,29 @@ def test_reusing_a_consumed_state_is_an_error_not_a_segfault(backend):
     assert float(run.stdout.rsplit("ok ", 1)[1]) == pytest.approx(0.64)
 
 
+def test_re_placing_a_consumed_state_names_it(backend):
+    """A notebook cell that re-places the state a step consumed gets jdp's error, not JAX's."""
+    run = fresh(f"""
+        import jax.numpy as jnp, numpy as np, optax
+        step = jdp.{backend}(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
+        state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
+        new, _ = step(state, step.shard(np.ones(16, np.float32)))
+        for place in (step.replicate, jdp.replicate):
+            try:
+                place(state)
+            except RuntimeError as e:
+                print("ERROR:", e)
+        print("ok", float(step.unreplicate(step.replicate(step.unreplicate(new))).params))
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
+    name = {"pmap": "PmapStep", "shard_map": "ShardMapStep"}[backend]
+    for what in (f"jdp.{name}.replicate", "jdp.replicate"):
+        assert f"ERROR: {what}: leaf .step was consumed by an earlier step call" in run.stdout, (
+            run.stdout
+        )
+    assert float(run.stdout.rsplit("ok ", 1)[1]) == pytest.approx(0.8)
+
+
 def test_evaluation_never_consumes_the_state(backend):
     run = fresh(f"""
         import jax.numpy as jnp, numpy as np, optax

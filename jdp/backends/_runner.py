@@ -20,7 +20,7 @@ from jdp import _layout, _watchdog
 from jdp._audit import Checker
 from jdp._batching import leaves_with_paths
 from jdp._devices import warn_if_cpu_pool_unsafe
-from jdp._replication import CONSUMED, check_replicas_agree, unreplicate
+from jdp._replication import CONSUMED, check_replicas_agree, refuse_consumed, unreplicate
 from jdp._steps import EvalStep, PerReplicaStep, TrainStep, as_step
 from jdp._tree import PyTree
 from jdp.distributed import check_initialized
@@ -155,6 +155,7 @@ class Backend(abc.ABC, Generic[K]):
 
     def replicate(self, tree: T) -> T:
         """``tree`` on this backend's devices; a TrainState as the step's strategy places it."""
+        refuse_consumed(tree, f"jdp.{type(self).__name__}.replicate")
         return self.step.place(tree, self._placement())
 
     @abc.abstractmethod
