@@ -274,9 +274,8 @@ def _assert_rows_close(
         if not _close(rows[0], other, atol):
             diff = np.abs(rows[0].astype(np.float64) - other.astype(np.float64))
             raise AssertionError(
-                f"jdp.assert_replicas_in_sync: {title.lower()} out of sync at leaf {name}: {kind} {i} "
-                f"differs "
-                f"from {kind} 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
+                f"jdp.assert_replicas_in_sync: {title.lower()} out of sync at leaf {name}: "
+                f"{kind} {i} differs from {kind} 0 by up to {np.nanmax(diff):.6g} (atol={atol}). "
                 f"Call jdp.sync_replicas(tree) to re-broadcast {source}."
             )
 
