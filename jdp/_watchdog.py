@@ -107,7 +107,8 @@ class _Job:
         os._exit(code)
 
 
-_JOB: _Job | None = None
+# The job this process belongs to, once jdp.distributed.initialize installed it.
+JOB: _Job | None = None
 
 
 def install(deadline: float | None, before_exit: Callable[[float], None]) -> None:
@@ -115,21 +116,21 @@ def install(deadline: float | None, before_exit: Callable[[float], None]) -> Non
 
     In one process the exception hook only finishes in-flight checkpoint saves.
     """
-    global _JOB
+    global JOB
     state = _jax_private.coordination_state()
-    _JOB = _Job(state, deadline or DEFAULT_DEADLINE, before_exit)
-    _on_sigterm(_JOB)
-    if _JOB.count < 2:
+    JOB = _Job(state, deadline or DEFAULT_DEADLINE, before_exit)
+    _on_sigterm(JOB)
+    if JOB.count < 2:
         sys.excepthook = _finishing(before_exit)
         return
     sys.excepthook = _on_exception
-    _JOB.publish(f"host/{_JOB.index}", _JOB.host)
+    JOB.publish(f"host/{JOB.index}", JOB.host)
     counter = threading.Thread(
-        target=_count_finished, args=(_JOB, _JOB.results), name="jdp-finished", daemon=True
+        target=_count_finished, args=(JOB, JOB.results), name="jdp-finished", daemon=True
     )
     counter.start()
-    _JOB.watcher = threading.Thread(target=_watch, args=(_JOB,), name="jdp-watchdog", daemon=True)
-    _JOB.watcher.start()
+    JOB.watcher = threading.Thread(target=_watch, args=(JOB,), name="jdp-watchdog", daemon=True)
+    JOB.watcher.start()
     # Registered after JAX's own shutdown hook, so it runs first: a process that
     # finished says so before it waits in JAX's shutdown barrier.
     atexit.register(_finish)
@@ -141,7 +142,7 @@ def counts_results() -> bool:
     Asked before a step's outputs are inspected, so a single process pays
     nothing per call for the count.
     """
-    job = _JOB
+    job = JOB
     return job is not None and job.results is not None
 
 
@@ -151,7 +152,7 @@ def note_result(result: Any) -> None:
     Several processes only. Waiting happens in that thread, so dispatch never
     waits; the count tells a process whose device is behind from its peers.
     """
-    job = _JOB
+    job = JOB
     if job is not None and job.results is not None:
         job.results.put(result)
 
@@ -168,7 +169,7 @@ def _count_finished(job: "_Job", results: queue.SimpleQueue) -> None:
 
 def note_step() -> None:
     """A step call: progress, for the watchdog (cheap; a no-op in one process)."""
-    job = _JOB
+    job = JOB
     if job is not None:
         job.calls += 1
         job.last_call = time.monotonic()
@@ -180,7 +181,7 @@ def note_time(step: int, seconds: dict[str, float]) -> None:
     One key-value write per logged step (process 0 also reads every
     process's), no collective: the device never waits for it.
     """
-    job = _JOB
+    job = JOB
     if job is None or job.count < 2:
         return
     job.publish(f"time/{job.index}", Sample(step, seconds["data"], sum(seconds.values())).encode())
@@ -209,7 +210,7 @@ def set_phase(name: str, step: int | None = None) -> None:
     Kept until the next call: the last phase entered is what the process was
     doing, also when an exception leaves it.
     """
-    job = _JOB
+    job = JOB
     if job is not None:
         job.phase, job.step = name, step
 
@@ -217,7 +218,7 @@ def set_phase(name: str, step: int | None = None) -> None:
 @contextlib.contextmanager
 def preemptible() -> Iterator[None]:
     """While inside, SIGTERM asks the loop to save and exit (:func:`preemption_agreed`)."""
-    job = _JOB
+    job = JOB
     if job is None:
         yield
         return
@@ -235,7 +236,7 @@ def preemption_agreed(step: int) -> bool:
     ``PREEMPTION_CHECK_EVERY`` steps the processes exchange whether any of
     them received it (one tiny collective), so all stop at the same step.
     """
-    job = _JOB
+    job = JOB
     if job is None or job.savers == 0:
         return False
     if job.count < 2:
@@ -250,7 +251,7 @@ def preemption_agreed(step: int) -> bool:
 
 def exit_preempted(step: int, where: str) -> None:
     """Ends the process after the preemption checkpoint, with "run me again"."""
-    job = _JOB
+    job = JOB
     if job is None:  # pragma: no cover - only called after preemption_agreed
         return
     job.exit(
@@ -267,7 +268,7 @@ def end_job(message: str) -> None:
     one; in-flight checkpoint saves finish first (bounded). Exit status 1, so
     ``jdp.launch --max-restarts`` or the scheduler restarts the job.
     """
-    job = _JOB
+    job = JOB
     if job is None:  # no jdp.distributed.initialize: one process, nothing to tell
         sys.stderr.write(f"[jdp] {message}\n")
         sys.stderr.flush()
@@ -289,7 +290,7 @@ def _finishing(before_exit: Callable[[float], None]) -> Callable[..., None]:
 
 def _on_exception(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
     sys.__excepthook__(exc_type, exc, tb)
-    job = _JOB
+    job = JOB
     if job is None:  # pragma: no cover - installed only with a job
         os._exit(EXIT_FAILED)
     other = job.read("failed")
@@ -389,7 +390,7 @@ _STATUS = re.compile(r"(\d+) step calls \((\d+) finished\)")
 
 
 def _finish() -> None:
-    job = _JOB
+    job = JOB
     if job is None or job.finished:
         return
     job.finished = True

@@ -59,6 +59,7 @@ class Backend(abc.ABC, Generic[K]):
 
     name: str = "backend"
     layout: _layout.Layout
+    _per_call_checks: bool = False  # whether _check_call checks anything on every call
 
     def _setup(self, step: Step, axis_name: str, donate_state: bool | None, size: int) -> None:
         step = as_step(step, self.name, axis_name)
@@ -72,6 +73,7 @@ class Backend(abc.ABC, Generic[K]):
         # (JAX 0.10.2: segfault); one device raises, and _call explains it.
         self._guard_donated = bool(self._donate) and size > 1
         self._replicas_checked = False
+        self._lean = False  # after the first call, when nothing is left to check per call
         audit = step.audit if isinstance(step, TrainStep) else None
         self._audit = None if audit is None else Checker(audit, self.name, self._replica_devices())
         warn_if_cpu_pool_unsafe(size)
@@ -100,23 +102,32 @@ class Backend(abc.ABC, Generic[K]):
 
     def __call__(self, state: Any, batch: PyTree) -> Any:
         """Runs the step: ``(state, metrics)`` for a training step, sums for an evaluation step."""
+        if self._lean and _watchdog.JOB is None:
+            # One process and nothing to check per call: what jax.jit costs. In a
+            # dispatch-bound loop the checks below cost about 1 us a call (cold caches).
+            try:
+                return self._fn(state, batch)
+            except (ValueError, TypeError, IndexError, NameError) as e:
+                return self._failed(e, state, batch)
+        return self._checked_call(state, batch)
+
+    def _checked_call(self, state: Any, batch: PyTree) -> Any:
         self._check_call(state, batch)
         if not self._replicas_checked and not _consumed(state):
             check_replicas_agree(state, f"jdp.{self.name}")
             self._replicas_checked = not _traced(state)
+            self._lean = self._replicas_checked and self._nothing_per_call()
         fn = self._fn
         if self._has_options and _traced(state):
             _warn_options_lost(self.step)
             fn = self._fn_traced
+        _watchdog.note_step()
+        if self._guard_donated and _consumed(state):
+            raise RuntimeError(_CONSUMED)
         try:
-            out = _call(fn, state, batch, self.axis_name, self.name, self._guard_donated)
-        except ValueError:
-            other = self._other_layout(state)
-            if other is None:
-                raise
-            # A state in the other backend's layout (jdp.replicate under shard_map,
-            # say) is re-placed once; the step returns it in this one's.
-            return self(other, batch)
+            out = fn(state, batch)
+        except (ValueError, TypeError, IndexError, NameError) as e:
+            return self._failed(e, state, batch)
         if self._audit is not None:
             self._audit.note(out[1], out[0])
         if _watchdog.counts_results():  # several processes; the metrics are never donated
@@ -124,6 +135,27 @@ class Backend(abc.ABC, Generic[K]):
             if not _traced(result):
                 _watchdog.note_result(result)
         return out
+
+    def _nothing_per_call(self) -> bool:
+        return not (
+            self._has_options
+            or self._guard_donated
+            or self._audit is not None
+            or self._per_call_checks
+        )
+
+    def _failed(self, error: Exception, state: Any, batch: PyTree) -> Any:
+        """A call that raised: jdp's own error, or a state in the other layout re-placed once."""
+        try:
+            _explain(error, state, batch, self.axis_name, self.name)
+            raise error
+        except ValueError:
+            other = self._other_layout(state)
+            if other is None:
+                raise
+            # A state in the other backend's layout (jdp.replicate under shard_map,
+            # say) is re-placed once; the step returns it in this one's.
+            return self(other, batch)
 
     def check_audit(self) -> None:
         """Checks the last call's replica audit now (a step built with ``audit=``; else nothing).
@@ -208,41 +240,34 @@ def _warn_options_lost(step: PerReplicaStep) -> None:
     )
 
 
-def _call(fn, state: PyTree, batch: PyTree, axis_name: str, backend: str, guard: bool):
-    """Runs the compiled step; a consumed state or an unknown axis gets jdp's own error.
+def _explain(error: Exception, state: PyTree, batch: PyTree, axis_name: str, backend: str) -> None:
+    """Raises jdp's own error for a call that failed, where it has one; else returns.
 
-    Everything here but the call itself runs only when the call failed.
+    A consumed state, an axis the backend does not bind, a step mapped by a
+    transform, a leaf JAX cannot take. Runs only when the call failed.
     """
-    _watchdog.note_step()
-    if guard and _consumed(state):
-        raise RuntimeError(_CONSUMED)
-    try:
-        return fn(state, batch)
-    except (ValueError, TypeError, IndexError) as e:
-        if _mapped_by_a_transform(e, state, batch):
-            raise TypeError(
-                f"jdp.{backend}: the step was called under jax.vmap or jax.pmap (or another "
-                "transform that maps over the inputs): it is mapped over the devices already. "
-                "Call it directly; to map the step yourself, map the per-replica step "
-                "(jax.pmap(jdp.make_train_step(...), axis_name=...)); to add work inside the "
-                "step, wrap it with @jdp.wraps(train_step)."
-            ) from e
-        if isinstance(e, ValueError) and "deleted or donated" in str(e) and _consumed(state):
-            raise RuntimeError(_CONSUMED) from None
-        if isinstance(e, TypeError) and "Error interpreting argument" in str(e):
-            leaves_with_paths(
-                batch, f"jdp.{backend} step: the batch"
-            )  # jdp's own message, naming the leaf
-            leaves_with_paths(state, f"jdp.{backend} step: the state")
-        raise
-    except NameError as e:
-        if "unbound axis name" not in str(e):
-            raise
-        raise NameError(
-            f"jdp.{backend}: the step uses a collective over an axis jdp.{backend} does not bind: {e}. "
-            f"This backend binds axis_name={axis_name!r}; use that name in lax.psum/pmean "
-            "calls inside the step (and in make_train_step(axis_name=...))."
-        ) from None
+    if isinstance(error, NameError):
+        if "unbound axis name" in str(error):
+            raise NameError(
+                f"jdp.{backend}: the step uses a collective over an axis jdp.{backend} does not "
+                f"bind: {error}. This backend binds axis_name={axis_name!r}; use that name in "
+                "lax.psum/pmean calls inside the step (and in make_train_step(axis_name=...))."
+            ) from None
+        return
+    if _mapped_by_a_transform(error, state, batch):
+        raise TypeError(
+            f"jdp.{backend}: the step was called under jax.vmap or jax.pmap (or another "
+            "transform that maps over the inputs): it is mapped over the devices already. "
+            "Call it directly; to map the step yourself, map the per-replica step "
+            "(jax.pmap(jdp.make_train_step(...), axis_name=...)); to add work inside the "
+            "step, wrap it with @jdp.wraps(train_step)."
+        ) from error
+    if isinstance(error, ValueError) and "deleted or donated" in str(error) and _consumed(state):
+        raise RuntimeError(_CONSUMED) from None
+    if isinstance(error, TypeError) and "Error interpreting argument" in str(error):
+        # jdp's own message, naming the leaf
+        leaves_with_paths(batch, f"jdp.{backend} step: the batch")
+        leaves_with_paths(state, f"jdp.{backend} step: the state")
 
 
 def _mapped_by_a_transform(error: Exception, *trees: PyTree) -> bool:
