@@ -106,3 +106,28 @@ def test_backends_agree_on_model_state_and_rng():
     models.assert_trees_close(
         out["shard_map"].model_state, out["pmap"].model_state, rtol=1e-6, atol=1e-8
     )
+
+
+def test_after_the_first_call_a_one_device_step_keeps_every_check_it_needs(backend):
+    """The fast path (one device, one process): consumed state, other layout, bad leaf."""
+    step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 1)
+    fresh = lambda: jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1))  # noqa: E731
+    batches = [step.shard(models.regression_batch(8, seed=i)) for i in range(3)]
+    state = step.replicate(fresh())
+    step(state, batches[0])  # the first call checks everything, then goes lean
+    assert step._lean
+    with pytest.raises(
+        RuntimeError, match=r"^jdp: this state was consumed by an earlier step call"
+    ):
+        step(state, batches[1])
+    # A state in the other backend's layout is still re-placed, bitwise as the own one.
+    other = "pmap" if backend == "shard_map" else "shard_map"
+    foreign = models.backend(other, jdp.make_train_step(models.mlp_loss), 1).replicate(fresh())
+    own, _ = step(step.replicate(fresh()), batches[0])
+    moved, _ = step(foreign, batches[0])
+    for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(moved), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # and a leaf JAX cannot take is named
+    bad = {**models.regression_batch(8, seed=0), "name": "not an array"}
+    with pytest.raises((TypeError, ValueError), match=r"^jdp\.\w+ step: the batch"):
+        step(moved, bad)
