@@ -156,6 +156,7 @@ def fit(
         rows.flush()
         _check_audit(train_step)
     _finish(checkpointer, record, ledger, history, progress)
+    _watchdog.set_phase("its own code after jdp.fit returned", step)
     return state, history
 
 

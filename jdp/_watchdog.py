@@ -368,7 +368,14 @@ def _verdict(progress: dict[int, str], count: int) -> str:
     running = {i: c for i, c in counts.items() if c is not None}
     if len(running) < count:
         done = sorted(set(range(count)) - set(running))
-        return f"it waits for process(es) {done}, which finished or never reported"
+        verdict = f"it waits for process(es) {done}, which finished or never reported"
+        if any(progress.get(i, "").startswith("finished") for i in done):
+            verdict += (
+                " (a collective that only some processes reach waits for ever: "
+                "jdp.unreplicate of a zero1 or fsdp state, whose slices live on every process, "
+                "inside `if jax.process_index() == 0:`, say; call it on every process)"
+            )
+        return verdict
     for k, what in ((0, "step calls"), (1, "finished steps")):
         fewest = min(c[k] for c in running.values())
         behind = sorted(i for i, c in running.items() if c[k] == fewest)

@@ -167,3 +167,14 @@ def test_a_job_hung_inside_a_step_ends_within_the_deadline_and_says_where():
     assert code != 0, err[-3000:]
     assert ended - hung_at(err) <= 10 + 10, err[-3000:]
     assert "so the job hangs inside one step on every process" in err, err[-3000:]
+
+
+def test_a_stall_whose_peer_finished_says_which_collective_waits_for_ever():
+    """A peer that finished while this process waits: a collective only some processes
+    reach (jdp.unreplicate of a split state on process 0 only) is the usual cause."""
+    waiting = "30 step calls (30 finished), its own code after jdp.fit returned at step 30"
+    finished = _watchdog._verdict({0: waiting, 1: "finished after 30 step calls"}, 2)
+    assert "jdp.unreplicate of a zero1 or fsdp state" in finished
+    assert "call it on every process" in finished
+    # A peer that never reported may not have started: no such hint.
+    assert "unreplicate" not in _watchdog._verdict({0: waiting}, 2)
