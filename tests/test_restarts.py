@@ -267,16 +267,16 @@ def test_the_ordinary_step_resumes_the_same_samples_in_the_same_order(tmp_path):
     examples as without the kill, none skipped or repeated, and the state agrees."""
     ref_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     ref_dir.mkdir(), killed_dir.mkdir()
-    result = run(launched(ref_dir, ORDINARY="1", RECORD=str(ref_dir / "ids")))
+    result = run(launched(ref_dir, STRATEGY="data_parallel", RECORD=str(ref_dir / "ids")))
     assert result.returncode == 0, result.stderr[-3000:]
-    cmd, environ = launched(killed_dir, ORDINARY="1", RECORD=str(killed_dir / "ids"))
+    cmd, environ = launched(killed_dir, STRATEGY="data_parallel", RECORD=str(killed_dir / "ids"))
     proc = subprocess.Popen(
         cmd, env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     wait_for_step(proc, 13)
     os.kill(int((killed_dir / "pid-1").read_text()), signal.SIGKILL)
     proc.communicate(timeout=120)
-    again = run(launched(killed_dir, ORDINARY="1", RECORD=str(killed_dir / "ids")))
+    again = run(launched(killed_dir, STRATEGY="data_parallel", RECORD=str(killed_dir / "ids")))
     assert again.returncode == 0, again.stderr[-3000:]
     expected, got = read_order(ref_dir / "ids", 2), read_order(killed_dir / "ids", 2)
     trained = {key: ids for key, ids in expected.items() if key[1] <= STEPS}
@@ -284,6 +284,21 @@ def test_the_ordinary_step_resumes_the_same_samples_in_the_same_order(tmp_path):
     reference, final = np.load(ref_dir / "final.npz"), np.load(killed_dir / "final.npz")
     for name in reference.files:
         np.testing.assert_allclose(final[name], reference[name], rtol=1e-6, err_msg=name)
+
+
+def test_an_fsdp_job_restarted_by_the_launcher_ends_as_the_uninterrupted_one(tmp_path):
+    """Under fsdp no process holds the whole state: a failure at step 12 restarts the job
+    from checkpoint 10, each process restoring its own slices, and the run ends bitwise as
+    the same layout's run without the failure."""
+    ref_dir, failed_dir = tmp_path / "reference", tmp_path / "failed"
+    ref_dir.mkdir(), failed_dir.mkdir()
+    result = run(launched(ref_dir, STRATEGY="fsdp"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run(launched(failed_dir, restarts=1, STRATEGY="fsdp", FAIL_AT="1:12"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[launch] restart 1 of 1: the job exited with 1 at step" in result.stderr
+    assert (failed_dir / "failed-1-12").exists()
+    assert_bitwise(failed_dir, np.load(ref_dir / "final.npz"))
 
 
 def _slurm_up():

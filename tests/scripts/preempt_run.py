@@ -2,8 +2,8 @@
 
 python tests/preempt_run.py DIR STEPS   (alone, or under python -m jdp.launch)
 
-Trains an MLP in exact mode (the same bits on any layout; the ordinary step
-with $ORDINARY=1) with fit, saving to
+Trains an MLP in exact mode (the same bits on any layout; another strategy
+with $STRATEGY=data_parallel or fsdp) with fit, saving to
 DIR/ckpt every 5 steps and resuming from it; prints "step N" after every step
 (slowly, so a test can send a signal mid-run) and writes the final params to
 DIR/final.npz. Each process writes its pid to DIR/pid-<index>. With
@@ -27,6 +27,12 @@ import optax  # noqa: E402
 
 import jdp  # noqa: E402
 from tests import models  # noqa: E402
+
+STRATEGIES = {
+    "exact": lambda: jdp.strategies.exact(8),
+    "data_parallel": jdp.strategies.data_parallel,
+    "fsdp": jdp.strategies.fsdp,  # the MLP's kernels split 1/n, across the processes
+}
 
 
 def failing_callback(directory):
@@ -73,8 +79,7 @@ class Recorded:
 def main(directory, steps):
     directory = pathlib.Path(directory)
     (directory / f"pid-{jax.process_index()}").write_text(str(os.getpid()))
-    ordinary = os.environ.get("ORDINARY") == "1"
-    strategy = jdp.strategies.data_parallel() if ordinary else jdp.strategies.exact(8)
+    strategy = STRATEGIES[os.environ.get("STRATEGY", "exact")]()
     step = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=strategy))
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2)))
     examples = models.regression_batch(256, seed=7)
@@ -98,8 +103,8 @@ def main(directory, steps):
             log_every=1,
             progress=False,
         )
+    final = jax.device_get(jdp.unreplicate(state))  # a collective under fsdp: every process
     if jax.process_index() == 0:
-        final = jax.device_get(jdp.unreplicate(state))
         np.savez(directory / "final.npz", *jax.tree.leaves((final.params, final.opt_state)))
     print("done", flush=True)
 
