@@ -298,6 +298,10 @@ def test_an_fsdp_job_restarted_by_the_launcher_ends_as_the_uninterrupted_one(tmp
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[launch] restart 1 of 1: the job exited with 1 at step" in result.stderr
     assert (failed_dir / "failed-1-12").exists()
+    # The restart resumed from checkpoint 10 (a run from scratch would end bitwise too).
+    printed = [int(line.split()[-1]) for line in result.stdout.splitlines() if "[0] step " in line]
+    again = next(i for i in range(1, len(printed)) if printed[i] <= printed[i - 1])
+    assert printed[again] == 11, printed
     assert_bitwise(failed_dir, np.load(ref_dir / "final.npz"))
 
 
