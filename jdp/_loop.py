@@ -106,7 +106,10 @@ def fit(
         evaluation), ``step``, the global metrics and the per-replica lists;
         e.g. :class:`jdp.TensorBoardLogger`. ``log_every=1`` calls them every
         step (and reads metrics back every step). A train row's ``time`` is
-        the wall seconds so far by kind, as in ``History.time``.
+        the wall seconds so far by kind, as in ``History.time``; on process
+        0 of a multi-process job its ``pace`` is every process's data wait
+        per step over its newest logged window, in ms (``data_ms/<process>``),
+        their ``spread_ms`` and the median ``step_ms``.
       log_every: steps between metric read-backs (each waits for the device).
       progress: show a rich progress bar with the loss and throughput, and
         at the end one line saying where the time went.
@@ -176,13 +179,17 @@ _PHASES = {
 }
 
 
-def _note_time(ledger: Ledger, record: Record | None, step: int) -> dict[str, float]:
-    """The ledger so far: for the row, the watchdog's per-process report, the file."""
+def _note_time(ledger: Ledger, record: Record | None, step: int) -> dict[str, Any]:
+    """The ledger so far, for the watchdog's per-process report and the file; the row's entries.
+
+    The row holds ``time`` (this process's seconds by kind) and, on process 0
+    of several, ``pace``: every process's newest data wait per step.
+    """
     seconds = ledger.totals()
-    _watchdog.note_time(step, seconds)
+    pace = _watchdog.note_time(step, seconds)
     if record is not None:
         record.write(seconds)
-    return seconds
+    return {"time": seconds, "pace": pace} if pace else {"time": seconds}
 
 
 def _finish(checkpointer, record, ledger: Ledger, history: History, progress: bool) -> None:
@@ -407,7 +414,7 @@ class _Rows:
         self.rules = rules
         self._diverged = False
         self._last: tuple[int, int] | None = None  # (step, skipped_steps) of the last row
-        self._held: tuple[int, dict, float, int, list, dict] | None = None
+        self._held: tuple[int, dict, float, int, list, dict[str, Any]] | None = None
         self._weights: list[Any] = []
         self._tick, self._examples = time.perf_counter(), 0
 
@@ -416,21 +423,21 @@ class _Rows:
         if weight is not None:
             self._weights.append(weight)  # device arrays: summed at read time, no wait
 
-    def hold(self, step: int, metrics: dict, seconds: dict[str, float]) -> None:
+    def hold(self, step: int, metrics: dict, timing: dict[str, Any]) -> None:
         elapsed = max(time.perf_counter() - self._tick, 1e-9)
-        self._held = (step, metrics, elapsed, self._examples, self._weights, seconds)
+        self._held = (step, metrics, elapsed, self._examples, self._weights, timing)
         self._tick, self._examples, self._weights = time.perf_counter(), 0, []
 
     def flush(self) -> None:
         if self._held is None:
             return
-        step, metrics, elapsed, examples, weights, seconds = self._held
+        step, metrics, elapsed, examples, weights, timing = self._held
         self._held = None
         if weights:  # examples/s, or with a weighted loss weight/s (real examples, tokens)
             rate = {"weight_per_s": float(np.sum(gather_replicas(weights))) / elapsed}
         else:
             rate = {"examples_per_s": examples / elapsed}
-        row = {"step": step, **rate, **_global_metrics(metrics, self.rules), "time": seconds}
+        row = {"step": step, **rate, **_global_metrics(metrics, self.rules), **timing}
         self._warn_if_diverged(row)
         self.record("train", row)
         self.bar.update(self.task, completed=step, status=_status(row))

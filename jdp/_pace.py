@@ -63,6 +63,7 @@ class Pace:
         self.last: dict[int, Sample] = {}
         self.strikes: dict[int, int] = {}
         self.named: int | None = None
+        self.windows: dict[int, Window] = {}  # each process's newest window
 
     def observe(self, samples: Mapping[int, Sample]) -> tuple[int, dict[int, Window]] | None:
         """Takes every process's newest sample; ``(process, windows)`` when one is newly named."""
@@ -73,6 +74,7 @@ class Pace:
                 windows[index] = _window(before, sample)
             if before is None or sample.step > before.step:
                 self.last[index] = sample
+        self.windows.update(windows)
         if len(windows) < 2:
             return None
         step_time = statistics.median(w.step_time for w in windows.values())
@@ -96,6 +98,23 @@ def _window(before: Sample, now: Sample) -> Window:
         (now.data - before.data) / steps,
         (now.total - before.total) / steps,
     )
+
+
+def summary(windows: Mapping[int, Window]) -> dict[str, float]:
+    """Each process's newest window for a logged row: data wait per step (ms) and the spread.
+
+    ``data_ms/<process>``, ``spread_ms`` (the largest data wait less the
+    smallest) and ``step_ms`` (the median step time); empty before two
+    processes have a window.
+    """
+    if len(windows) < 2:
+        return {}
+    waits = {f"data_ms/{i}": 1e3 * w.data for i, w in sorted(windows.items())}
+    return {
+        **waits,
+        "spread_ms": max(waits.values()) - min(waits.values()),
+        "step_ms": 1e3 * statistics.median(w.step_time for w in windows.values()),
+    }
 
 
 def report(index: int, who: str, windows: Mapping[int, Window]) -> str:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from jdp import _jax_private
-from jdp._pace import Pace, Sample, report
+from jdp._pace import Pace, Sample, report, summary
 
 DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
 EXIT_FAILED, EXIT_TERMINATED, EXIT_PREEMPTED = 1, 143, 75  # 75: EX_TEMPFAIL, "run me again"
@@ -175,24 +175,27 @@ def note_step() -> None:
         job.last_call = time.monotonic()
 
 
-def note_time(step: int, seconds: dict[str, float]) -> None:
+def note_time(step: int, seconds: dict[str, float]) -> dict[str, float]:
     """This process's ledger at a logged step (``jdp.fit``): published; process 0 compares.
 
     One key-value write per logged step (process 0 also reads every
-    process's), no collective: the device never waits for it.
+    process's), no collective: the device never waits for it. Returns, on
+    process 0 of several, each process's newest data wait
+    (:func:`jdp._pace.summary`) for the row; else an empty dict.
     """
     job = JOB
     if job is None or job.count < 2:
-        return
+        return {}
     job.publish(f"time/{job.index}", Sample(step, seconds["data"], sum(seconds.values())).encode())
     if job.index != 0:
-        return
+        return {}
     samples = {i: Sample.decode(text) for i, text in job.entries("time/").items()}
     named = job.pace.observe({i: s for i, s in samples.items() if s is not None})
     if named is not None:
         index, windows = named
         sys.stderr.write(f"[jdp] {report(index, _describe(index, job), windows)}\n")
         sys.stderr.flush()
+    return summary(job.pace.windows)
 
 
 def _describe(index: int, job: "_Job") -> str:

@@ -4,6 +4,7 @@ The rules on synthetic timings (exact), then 2-process x 2-device jobs with a
 slowed or hung process (tests/scripts/multiprocess_pace.py).
 """
 
+import json
 import pathlib
 import re
 import socket
@@ -58,6 +59,22 @@ def test_a_slow_process_named_again_only_after_it_recovered():
     assert feed(pace, [0.0, 0.2 * STEP], 10, start=1) == [(3, 1)]  # named once
     assert feed(pace, [0.0, 0.0], 2, start=11) == []
     assert feed(pace, [0.2 * STEP, 0.0], 3, start=13) == [(15, 0)]
+
+
+def test_a_rows_pace_is_every_processs_newest_window():
+    windows = {
+        1: _pace.Window((41, 50), 0.012, 0.1),
+        0: _pace.Window((41, 50), 0.002, 0.1),
+        2: _pace.Window((31, 40), 0.004, 0.3),
+    }
+    summary = _pace.summary(windows)
+    assert list(summary) == ["data_ms/0", "data_ms/1", "data_ms/2", "spread_ms", "step_ms"]
+    expected = [2.0, 12.0, 4.0, 10.0, 100.0]
+    np.testing.assert_allclose(list(summary.values()), expected, rtol=1e-12)
+    assert _pace.summary({0: windows[0]}) == {}  # one process: nothing to compare
+    pace = _pace.Pace()  # observe keeps each process's newest window, named or not
+    feed(pace, [0.0, 0.01], 2)
+    assert sorted(pace.windows) == [0, 1] and pace.windows[1].steps == (11, 20)
 
 
 def test_the_report_says_who_and_how_much():
@@ -144,6 +161,11 @@ def test_a_process_slowed_ten_percent_in_its_data_is_named_within_50_steps():
     )
     assert found is not None, err[-3000:]
     assert found.group(1) == socket.gethostname() and int(found.group(2)) <= 20 + 50
+    # Process 0's rows carry both processes' data waits: the slowed one's is higher.
+    pace = json.loads(re.search(r"pace (\{.*\})", err).group(1))
+    assert sorted(pace) == ["data_ms/0", "data_ms/1", "spread_ms", "step_ms"], pace
+    assert pace["data_ms/1"] - pace["data_ms/0"] >= 0.05 * pace["step_ms"], pace
+    assert pace["spread_ms"] == pytest.approx(pace["data_ms/1"] - pace["data_ms/0"], rel=1e-9)
 
 
 def test_a_clean_job_names_no_one():

@@ -2,7 +2,8 @@
 
 python tests/scripts/multiprocess_pace.py MODE STEPS SLOWDOWN   (under jdp.launch, srun, ...)
 
-Trains an MLP of 2.1M parameters with fit, logging every 10 steps. MODE:
+Trains an MLP of 2.1M parameters with fit, logging every 10 steps; process 0
+prints its last row's ``pace`` to stderr at the end. MODE:
 
 - ``slow``: from step 21 the last process's data loader sleeps SLOWDOWN times
   its own mean step time over steps 6-20 before each batch (0.1: 10% slower);
@@ -15,6 +16,7 @@ Trains an MLP of 2.1M parameters with fit, logging every 10 steps. MODE:
 """
 
 import itertools
+import json
 import sys
 import threading
 import time
@@ -74,9 +76,11 @@ def main(mode, steps, slowdown):
     hang_at = 8 if mode == "hang-step" and last else None
     step = jdp.pmap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at)))
     state = step.replicate(jdp.TrainState.create(params=params(), tx=optax.adam(1e-4)))
-    jdp.fit(
+    _, history = jdp.fit(
         step, state, batches(mode, last, slowdown), num_steps=steps, log_every=10, progress=False
     )
+    if jax.process_index() == 0:  # its rows carry every process's data wait
+        print("pace", json.dumps(history.train[-1].get("pace")), file=sys.stderr, flush=True)
     print("finished", jax.process_index(), flush=True)
 
 
