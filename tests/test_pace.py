@@ -7,6 +7,7 @@ slowed or hung process (tests/scripts/multiprocess_pace.py).
 import json
 import pathlib
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -116,16 +117,32 @@ def test_a_stall_names_the_process_behind(progress, verdict):
 
 
 def launch(mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch"):
-    """Runs the 2 x 2 job; ``(return code, stderr, when it ended)``."""
+    """Runs the 2 x 2 job under ``launcher``; ``(return code, stderr, when it ended)``."""
     env = clean_env(PYTHONPATH=str(ROOT))
     args = [SCRIPT, mode, str(steps), str(slowdown)]
     if launcher == "jdp.launch":
         cmd = launch_command("--timeout", str(timeout), *args)
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         return run.returncode, run.stderr, time.time()
-    with socket.socket() as s:  # a Kubernetes Indexed Job's variables
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+        port = s.getsockname()[1]
+    if launcher == "mpirun":  # loopback only; root is allowed in CI
+        names = ["PYTHONPATH", "JDP_CPU_DEVICES_PER_PROCESS", "JAX_COORDINATOR_PORT", "JDP_TIMEOUT"]
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+        cmd += [arg for name in names for arg in ("-x", name)]
+        env |= {
+            "JDP_CPU_DEVICES_PER_PROCESS": "2",
+            "JAX_COORDINATOR_PORT": str(port),
+            "JDP_TIMEOUT": str(timeout),
+            "OMPI_MCA_btl": "self,vader",
+            "OMPI_MCA_oob_tcp_if_include": "lo",
+        }
+        run = subprocess.run(
+            [*cmd, sys.executable, *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        return run.returncode, run.stderr, time.time()
+    address = f"127.0.0.1:{port}"  # a Kubernetes Indexed Job's variables
     procs = [
         subprocess.Popen(
             [sys.executable, *args],
@@ -174,7 +191,12 @@ def test_a_clean_job_names_no_one():
     assert "sets the job's pace" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset"])
+MPIRUN = pytest.param(
+    "mpirun", marks=pytest.mark.skipif(not shutil.which("mpirun"), reason="no mpirun")
+)
+
+
+@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN])
 def test_a_process_hung_in_its_data_is_named_and_ends_the_job(launcher):
     code, err, ended = launch("hang-data", 100, timeout=10, launcher=launcher)
     assert code != 0, err[-3000:]
@@ -184,8 +206,9 @@ def test_a_process_hung_in_its_data_is_named_and_ends_the_job(launcher):
     assert "process 1: 6 step calls" in err and "data loading at step 7" in err, err[-3000:]
 
 
-def test_a_job_hung_inside_a_step_ends_within_the_deadline_and_says_where():
-    code, err, ended = launch("hang-step", 100, timeout=10)
+@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN])
+def test_a_job_hung_inside_a_step_ends_within_the_deadline_and_says_where(launcher):
+    code, err, ended = launch("hang-step", 100, timeout=10, launcher=launcher)
     assert code != 0, err[-3000:]
     assert ended - hung_at(err) <= 10 + 10, err[-3000:]
     assert "so the job hangs inside one step on every process" in err, err[-3000:]
