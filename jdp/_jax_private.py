@@ -21,7 +21,8 @@ def coordination_state() -> Any:
 def cluster_types() -> list[Any]:
     """The launcher environments JAX's cluster detection knows (SLURM, Open MPI, ...).
 
-    Each has ``name``, ``opt_in_only_method`` and ``is_env_present()``.
+    Each has ``name``, ``opt_in_only_method``, ``is_env_present()`` and
+    ``get_process_count()``.
     """
     from jax._src import clusters
 

@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 
 from jdp import _jax_private, _watchdog
 from jdp._args import check_int
-from jdp._devices import force_cpu_devices
+from jdp._devices import force_cpu_devices, size_cpu_pool
 from jdp._tree import PyTree, is_prng_key
 
 ENV_COORDINATOR = "JDP_COORDINATOR"
@@ -117,6 +117,7 @@ def initialize(
     if cpu_devices_per_process is None and ENV_CPU_DEVICES in os.environ:
         cpu_devices_per_process = int(os.environ[ENV_CPU_DEVICES])
     if cpu_devices_per_process:
+        size_cpu_pool(cpu_devices_per_process * _process_count(num_processes, jax_kwargs))
         force_cpu_devices(cpu_devices_per_process)
     _CALLED.append(True)
     if timeout is not None:
@@ -275,14 +276,31 @@ def _int_variable(name: str) -> int | None:
         ) from None
 
 
+def _process_count(num_processes: int | None, jax_kwargs: dict[str, Any]) -> int:
+    """The job's process count before JAX starts: given, exported, or the launcher's (SLURM, ...)."""
+    if num_processes is not None:
+        return num_processes
+    for cluster in _jax_private.cluster_types():
+        # SLURM's and Open MPI's read their variables; others may ask a service.
+        if cluster.__name__ in _COUNTS_FROM_VARIABLES and _present(cluster, jax_kwargs):
+            with contextlib.suppress(Exception):  # a variable it could not read
+                return int(cluster.get_process_count())
+    return 1
+
+
+_COUNTS_FROM_VARIABLES = ("SlurmCluster", "OmpiCluster")
+
+
 def _cluster_detected(jax_kwargs: dict[str, Any]) -> bool:
     """Whether JAX's cluster detection finds a launcher (SLURM, Open MPI, Kubernetes, ...)."""
+    return any(_present(env, jax_kwargs) for env in _jax_private.cluster_types())
+
+
+def _present(cluster: Any, jax_kwargs: dict[str, Any]) -> bool:
+    """Whether JAX's detection would pick ``cluster`` here (its variables, the method asked for)."""
     method = jax_kwargs.get("cluster_detection_method")
-    return any(
-        (env.name == method or (method is None and not env.opt_in_only_method))
-        and env.is_env_present()
-        for env in _jax_private.cluster_types()
-    )
+    chosen = cluster.name == method or (method is None and not cluster.opt_in_only_method)
+    return chosen and cluster.is_env_present()
 
 
 @contextlib.contextmanager

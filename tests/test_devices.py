@@ -72,3 +72,48 @@ def test_thousands_of_steps_on_8_cpu_devices_never_hang(run):
     assert lines[0:2] == ["pmap", "2500"] and lines[3:5] == ["shard_map", "2500"]
     # Same data, same steps: both backends reach the same loss.
     assert float(lines[2]) == pytest.approx(float(lines[5]), rel=1e-4)
+
+
+JOB_POOL = textwrap.dedent(
+    """
+    import os
+    from jdp import distributed
+
+    print(distributed._process_count(None, {}), distributed._process_count(3, {}))
+    distributed.size_cpu_pool(2 * 4)  # 4 processes x 2 devices
+    print(os.environ["PJRT_NPROC"])
+    os.environ["PJRT_NPROC"] = "64"
+    distributed.size_cpu_pool(8)  # a larger pool already set is kept
+    print(os.environ["PJRT_NPROC"])
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "launcher, expected",
+    [
+        ({}, "1 3"),  # no launcher: one process (a given count wins)
+        ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}, "4 3"),
+        (
+            {
+                "SLURM_JOB_ID": "7",
+                "SLURM_STEP_NODELIST": "node1",
+                "SLURM_NTASKS": "4",
+                "SLURM_PROCID": "1",
+                "SLURM_LOCALID": "1",
+            },
+            "4 3",
+        ),
+    ],
+)
+def test_every_process_gets_the_pool_of_the_whole_jobs_devices(launcher, expected):
+    """Each process's CPU pool is sized by the job's devices, before JAX starts (read from
+    mpirun's or srun's variables when no count is given), so every process layout rounds
+    alike (docs/exact.md, "The CPU thread pool")."""
+    names = ("PJRT_NPROC", "NPROC", "OMPI_MCA_orte_hnp_uri", "SLURM_JOB_ID", "SLURM_LOCALID")
+    env = {k: v for k, v in os.environ.items() if k not in names} | launcher
+    run = subprocess.run(
+        [sys.executable, "-c", JOB_POOL], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[:3] == [expected, "16", "64"], run.stdout

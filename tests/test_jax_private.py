@@ -69,7 +69,7 @@ def test_cluster_types_name_the_launchers_jdp_documents():
     assert {"SlurmCluster", "OmpiCluster"} <= names, names
     for t in types:
         assert isinstance(t.opt_in_only_method, bool)
-        assert callable(t.is_env_present)
+        assert callable(t.is_env_present) and callable(t.get_process_count)
         assert t.name is None or isinstance(t.name, str)
 
 

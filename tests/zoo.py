@@ -406,12 +406,11 @@ FAMILIES = {
     "tied_embeddings": tied_embeddings,
 }
 
-# What tests/scripts/multiprocess_zoo.py trains across processes: every family but
-# U-Net under the lead backend; under pmap the first six, which already cover what processes
+# What tests/scripts/multiprocess_zoo.py trains across processes: every family under
+# the lead backend; under pmap the first six, which already cover what processes
 # change (the collectives between them, the per-process batch rows, the model state
 # rules), to keep the suite's slowest test in bounds.
 ACROSS_PROCESSES = {
-    # U-Net differs across process layouts (docs/exact.md: 14 leaves by up to 1.5e-8).
-    "shard_map": sorted(set(FAMILIES) - {"unet"}),
+    "shard_map": sorted(FAMILIES),
     "pmap": ["cnn", "mlp", "moe_counter", "nnx", "transformer", "weight_zero_step"],
 }
