@@ -70,7 +70,7 @@ class Backend(abc.ABC, Generic[K]):
         self._donate = _donation(step, donate_state, self.name)
         self._has_options = step.compiler_options is not None
         # Reusing donated buffers crashes multi-device executions on XLA:CPU
-        # (JAX 0.10.2: segfault); one device raises, and _call explains it.
+        # (JAX 0.10.2: segfault); one device raises, and _explain names it.
         self._guard_donated = bool(self._donate) and size > 1
         self._replicas_checked = False
         self._lean = False  # after the first call, when nothing is left to check per call
