@@ -84,7 +84,10 @@ def initialize(
         by the local rank: launch one task per GPU, or pass the ids.
       cpu_devices_per_process: force this many CPU devices in each process
         (``jdp.force_cpu_devices``), default ``$JDP_CPU_DEVICES_PER_PROCESS``;
-        CPU collectives between processes use gloo.
+        CPU collectives between processes use gloo. Each process's thread
+        pool is sized for the whole job's devices (``PJRT_NPROC``, raised
+        to ``2 * processes * cpu_devices_per_process``), so every process
+        layout rounds alike.
       initialization_timeout: seconds to wait for every process to join.
       timeout: the stall deadline in seconds: a process with no step call for
         this long ends the job; JAX's heartbeat and shutdown-barrier timeouts
