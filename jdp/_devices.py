@@ -46,7 +46,6 @@ def force_cpu_devices(n: int) -> None:
       8
     """
     check_int(n, "n", minimum=1, where="jdp.force_cpu_devices(n)")
-    threads = max(THREADS_PER_DEVICE * n, _env_threads())
     try:
         jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:
@@ -60,7 +59,7 @@ def force_cpu_devices(n: int) -> None:
             "the kernel."
         ) from None
     jax.config.update("jax_platforms", "cpu")
-    os.environ["PJRT_NPROC"] = str(threads)
+    size_cpu_pool(n)
 
 
 def size_cpu_pool(job_devices: int) -> None:
@@ -76,9 +75,7 @@ def size_cpu_pool(job_devices: int) -> None:
     ``PJRT_NPROC`` already set), so 2 x 2 processes compute what 1 x 4 does.
     Call before JAX's backend starts.
     """
-    threads = THREADS_PER_DEVICE * job_devices
-    if _env_threads() < threads:
-        os.environ["PJRT_NPROC"] = str(threads)
+    os.environ["PJRT_NPROC"] = str(max(THREADS_PER_DEVICE * job_devices, _env_threads()))
 
 
 def _env_threads() -> int:
