@@ -1,7 +1,16 @@
 """Starting a script under jdp.launch from a test, as a user would on one machine."""
 
 import os
+import shutil
 import sys
+
+import pytest
+
+# Open MPI on loopback only, in shared memory between local ranks.
+MPIRUN_ENV = {"OMPI_MCA_btl": "self,vader", "OMPI_MCA_oob_tcp_if_include": "lo"}
+MPIRUN = pytest.param(
+    "mpirun", marks=pytest.mark.skipif(not shutil.which("mpirun"), reason="no mpirun")
+)
 
 
 def launch_command(*args: str, processes: int = 2, devices: int = 2) -> list[str]:
@@ -14,3 +23,10 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment without the thread-count variables a launched job sets itself."""
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     return env | extra
+
+
+def mpirun_command(*args: str, exported: list[str], processes: int = 2) -> list[str]:
+    """``mpirun -np P -x NAME... python ARGS...``; root is allowed, as CI runs as root."""
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(processes)]
+    cmd += [arg for name in exported for arg in ("-x", name)]
+    return [*cmd, sys.executable, *args]

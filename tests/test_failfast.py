@@ -14,11 +14,10 @@ import time
 import numpy as np
 import pytest
 
+from tests.launching import MPIRUN, MPIRUN_ENV, mpirun_command
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_failfast.py")
-MPIRUN = pytest.param(
-    "mpirun", marks=pytest.mark.skipif(not shutil.which("mpirun"), reason="no mpirun")
-)
 
 
 def _slurm_up() -> bool:
@@ -83,17 +82,14 @@ def start(launcher, mode, out, **extra):
         cmd += [SCRIPT, mode, str(out)]
         envs = [base_env(**extra)]
         cmds = [cmd]
-    elif launcher == "mpirun":  # loopback only; root is allowed in CI
+    elif launcher == "mpirun":
         names = ["PYTHONPATH", "JDP_CPU_DEVICES_PER_PROCESS", "JAX_COORDINATOR_PORT", *extra]
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
-        cmd += [arg for name in names for arg in ("-x", name)]
-        cmds = [[*cmd, sys.executable, SCRIPT, mode, str(out)]]
+        cmds = [mpirun_command(SCRIPT, mode, str(out), exported=names)]
         envs = [
             base_env(
                 JDP_CPU_DEVICES_PER_PROCESS="2",
                 JAX_COORDINATOR_PORT=str(free_port()),
-                OMPI_MCA_btl="self,vader",
-                OMPI_MCA_oob_tcp_if_include="lo",
+                **MPIRUN_ENV,
                 **extra,
             )
         ]

@@ -7,7 +7,6 @@ slowed or hung process (tests/scripts/multiprocess_pace.py).
 import json
 import pathlib
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from jdp import _pace, _watchdog
-from tests.launching import clean_env, launch_command
+from tests.launching import MPIRUN, MPIRUN_ENV, clean_env, launch_command, mpirun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
@@ -127,20 +126,15 @@ def launch(mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if launcher == "mpirun":  # loopback only; root is allowed in CI
+    if launcher == "mpirun":
         names = ["PYTHONPATH", "JDP_CPU_DEVICES_PER_PROCESS", "JAX_COORDINATOR_PORT", "JDP_TIMEOUT"]
-        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
-        cmd += [arg for name in names for arg in ("-x", name)]
-        env |= {
+        env |= MPIRUN_ENV | {
             "JDP_CPU_DEVICES_PER_PROCESS": "2",
             "JAX_COORDINATOR_PORT": str(port),
             "JDP_TIMEOUT": str(timeout),
-            "OMPI_MCA_btl": "self,vader",
-            "OMPI_MCA_oob_tcp_if_include": "lo",
         }
-        run = subprocess.run(
-            [*cmd, sys.executable, *args], env=env, capture_output=True, text=True, timeout=300
-        )
+        cmd = mpirun_command(*args, exported=names)
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         return run.returncode, run.stderr, time.time()
     address = f"127.0.0.1:{port}"  # a Kubernetes Indexed Job's variables
     procs = [
@@ -189,11 +183,6 @@ def test_a_clean_job_names_no_one():
     code, err, _ = launch("clean", 150)
     assert code == 0, err[-3000:]
     assert "sets the job's pace" not in err, err[-3000:]
-
-
-MPIRUN = pytest.param(
-    "mpirun", marks=pytest.mark.skipif(not shutil.which("mpirun"), reason="no mpirun")
-)
 
 
 @pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN])
