@@ -107,7 +107,7 @@ class Backend(abc.ABC, Generic[K]):
             # dispatch-bound loop the checks below cost about 1 us a call (cold caches).
             try:
                 return self._fn(state, batch)
-            except (ValueError, TypeError, IndexError, NameError) as e:
+            except (ValueError, TypeError, IndexError, NameError, RuntimeError) as e:
                 return self._failed(e, state, batch)
         return self._checked_call(state, batch)
 
@@ -126,7 +126,7 @@ class Backend(abc.ABC, Generic[K]):
             raise RuntimeError(_CONSUMED)
         try:
             out = fn(state, batch)
-        except (ValueError, TypeError, IndexError, NameError) as e:
+        except (ValueError, TypeError, IndexError, NameError, RuntimeError) as e:
             return self._failed(e, state, batch)
         if self._audit is not None:
             self._audit.note(out[1], out[0])
@@ -262,7 +262,9 @@ def _explain(error: Exception, state: PyTree, batch: PyTree, axis_name: str, bac
             "(jax.pmap(jdp.make_train_step(...), axis_name=...)); to add work inside the "
             "step, wrap it with @jdp.wraps(train_step)."
         ) from error
-    if isinstance(error, ValueError) and "deleted or donated" in str(error) and _consumed(state):
+    # JAX 0.10 raises ValueError("... deleted or donated ..."), 0.11 RuntimeError("Array has
+    # been deleted ..."): the state's own buffers decide, not the wording.
+    if isinstance(error, ValueError | RuntimeError) and "deleted" in str(error) and _consumed(state):
         raise RuntimeError(_CONSUMED) from None
     if isinstance(error, TypeError) and "Error interpreting argument" in str(error):
         # jdp's own message, naming the leaf
