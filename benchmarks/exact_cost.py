@@ -23,18 +23,15 @@ import statistics
 import sys
 import time
 
+import jax
+import numpy as np
+import optax
+
 import jdp
-
-jdp.force_cpu_devices(8)
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from jdp import demo  # noqa: E402
+from jdp import demo
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-from tests import zoo  # noqa: E402
+from tests import zoo
 
 
 def cnn():
@@ -113,6 +110,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    # Here, not at import: benchmarks/gpu.py times these models on an accelerator.
+    jdp.force_cpu_devices(8)
     print(__doc__.split("\n\n")[0])
     print(
         "| model | n | ordinary ms/step | exact ms/step | exact/ordinary | compile s (ord., exact) |"
