@@ -56,7 +56,10 @@ def test_an_outer_jit_is_warned_and_exact_with_the_strategys_options():
     make_step, state, batches = zoo.transformer()
     reference = check_exact(make_step, state, batches[:1], device_counts=(2,))[2][0]
     step = models.backend("pmap", make_step(), 1)
-    with pytest.warns(UserWarning, match=r"compiler_options=\{'xla_disable_hlo_passes': 'cse', 'xla_gpu_deterministic_ops': True\}"):
+    with pytest.warns(
+        UserWarning,
+        match=r"compiler_options=\{'xla_disable_hlo_passes': 'cse', 'xla_gpu_deterministic_ops': True\}",
+    ):
         jax.jit(step).lower(step.replicate(state), step.shard(batches[0]))
     # With the options on the outer jit (the trace above is reused: no second warning).
     jitted = jax.jit(step, compiler_options=step.step.compiler_options)
