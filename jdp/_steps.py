@@ -60,7 +60,7 @@ class TrainStep:
         return placement.replicate(tree)
 
     @property
-    def compiler_options(self) -> dict[str, str] | None:
+    def compiler_options(self) -> dict[str, str | bool] | None:
         """The XLA options the strategy needs the step compiled with, or None."""
         return dict(self.strategy.compiler_options) or None
 

@@ -81,7 +81,7 @@ class Strategy(NamedTuple):
     update: UpdateFn
     global_norm: NormFn
     place: PlaceFn
-    compiler_options: tuple[tuple[str, str], ...] = ()
+    compiler_options: tuple[tuple[str, str | bool], ...] = ()
     whole_params: ParamsFn = held_params
     metric_rules: tuple[tuple[str, Rule], ...] = ()
 
