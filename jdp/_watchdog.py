@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from jdp import _jax_private
+from jdp import _host_callbacks, _jax_private
 from jdp._pace import Pace, Sample, report, summary
 
 DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
@@ -64,13 +64,23 @@ class _Job:
         self.pace = Pace()  # process 0: who is slower than its peers (jdp._pace)
         self.results: queue.SimpleQueue | None = queue.SimpleQueue() if self.count > 1 else None
         self.finished_steps = 0  # step calls whose results the device finished
+        self.callback: tuple[str, float] | None = None  # where a host callback runs, since when
 
     def who(self) -> str:
         return f"process {self.index} of {self.count} on {self.host}"
 
     def status(self) -> str:
-        """What this process publishes as its progress."""
-        return f"{self.calls} step calls ({self.finished_steps} finished), {self.doing()}"
+        """What this process publishes as its progress (asked by the watchdog thread)."""
+        where = _host_callbacks.running()
+        if where is None:
+            self.callback = None
+        elif self.callback is None or self.callback[0] != where:
+            self.callback = (where, time.monotonic())
+        inside = ""
+        if self.callback is not None:
+            seconds = time.monotonic() - self.callback[1]
+            inside = f"; inside a host callback at {self.callback[0]} for {seconds:.0f} s"
+        return f"{self.calls} step calls ({self.finished_steps} finished), {self.doing()}{inside}"
 
     def doing(self) -> str:
         if self.phase is None:
@@ -384,6 +394,15 @@ def _verdict(progress: dict[int, str], count: int) -> str:
         behind = sorted(i for i, c in running.items() if c[k] == fewest)
         if len(behind) < count:
             return f"the job waits for process(es) {behind}, behind at {fewest} {what}"
+    inside = {i: m.group(1) for i, e in progress.items() if (m := _INSIDE.search(e))}
+    if inside:
+        held = sorted(inside)
+        return (
+            f"the job waits for process(es) {held}, inside a host callback of the step "
+            f"({'; '.join(f'process {i}: {inside[i]}' for i in held)}), so the others "
+            "wait in the step's collectives; a jax.debug.callback, pure_callback or "
+            "io_callback that does not return holds every process"
+        )
     return (
         f"every process made and finished as many steps ({fewest}), so the job hangs inside "
         "one step on every process (a collective that some process's device never reached)"
@@ -397,6 +416,7 @@ def _counts(entry: str | None) -> tuple[int, int] | None:
 
 
 _STATUS = re.compile(r"(\d+) step calls \((\d+) finished\)")
+_INSIDE = re.compile(r"; inside a host callback at (.+ for \d+ s)$")
 
 
 def _finish() -> None:

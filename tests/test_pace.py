@@ -10,12 +10,15 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp import _pace, _watchdog
+from jdp import _host_callbacks, _pace, _watchdog
 from tests.launching import MPIRUN, MPIRUN_ENV, clean_env, launch_command, mpirun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -200,7 +203,46 @@ def test_a_job_hung_inside_a_step_ends_within_the_deadline_and_says_where(launch
     code, err, ended = launch("hang-step", 100, timeout=10, launcher=launcher)
     assert code != 0, err[-3000:]
     assert ended - hung_at(err) <= 10 + 10, err[-3000:]
-    assert "so the job hangs inside one step on every process" in err, err[-3000:]
+    # Every process made and finished as many steps; the hung callback names process 1.
+    assert re.search(
+        r"the job waits for process\(es\) \[1\], inside a host callback of the step "
+        r"\(process 1: multiprocess_pace\.py:\d+ in <lambda>, now at threading\.py:\d+ in wait for \d+ s\)",
+        err,
+    ), err[-3000:]
+    assert re.search(r"process 0: \d+ step calls \(7 finished\)", err), err[-3000:]
+
+
+def test_a_stall_names_a_process_inside_a_host_callback():
+    waiting = "8 step calls (7 finished), training at step 8"
+    held = waiting + "; inside a host callback at run.py:12 in log for 30 s"
+    verdict = _watchdog._verdict({0: waiting, 1: held, 2: waiting}, 3)
+    assert verdict.startswith(
+        "the job waits for process(es) [1], inside a host callback of the step "
+        "(process 1: run.py:12 in log for 30 s)"
+    ), verdict
+    # Without the callback, the same counts say only that every process is inside the step.
+    assert "hangs inside one step" in _watchdog._verdict({0: waiting, 1: waiting, 2: waiting}, 3)
+    # A process behind in its step calls is named before a callback elsewhere.
+    behind = "7 step calls (7 finished), data loading at step 8"
+    assert "behind at 7 step calls" in _watchdog._verdict({0: held, 1: behind}, 2)
+
+
+def test_host_callbacks_running_names_the_callback_and_where_it_waits():
+    release, seen = threading.Event(), []
+
+    def look():
+        time.sleep(0.5)
+        seen.append(_host_callbacks.running())
+        release.set()
+
+    threading.Thread(target=look).start()
+    jax.jit(lambda x: (jax.debug.callback(lambda _: release.wait(), x), x + 1)[1])(
+        jnp.ones(2)
+    ).block_until_ready()
+    assert re.fullmatch(
+        r"test_pace\.py:\d+ in <lambda>, now at threading\.py:\d+ in wait", seen[0]
+    ), seen
+    assert _host_callbacks.running() is None  # returned
 
 
 def test_a_stall_whose_peer_finished_says_which_collective_waits_for_ever():
