@@ -44,7 +44,7 @@ import optax  # noqa: E402
 import jdp  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import exact_cost, run  # noqa: E402
+from benchmarks import exact_cost, run, sharded  # noqa: E402
 from tests import models, zoo  # noqa: E402
 
 MiB = 2**20
@@ -148,31 +148,16 @@ def lm_row(accelerator, d: int, seq: int, batch: int) -> dict:
     state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
     data = step.shard(models.lm_batch(batch, vocab=512, seq=seq))
     start = time.perf_counter()
-    compiled = step.lower(state, data).compile()
+    peak = run.peak_mib(step.lower(state, data))
     compile_s = time.perf_counter() - start
-    m = compiled.memory_analysis()
-    times = []
-    for _ in range(5):
-        state, metrics = step(state, data)
-        jax.block_until_ready(metrics)
-        start = time.perf_counter()
-        for _ in range(5):
-            state, metrics = step(state, data)
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - start) / 5)
+    _, times = sharded.step_seconds(step, state, data, repeats=5, calls=5)
     stats = accelerator.memory_stats() or {}
     return {
         "d": d,
         "seq": seq,
         "batch": batch,
         "parameters": sum(x.size for x in jax.tree.leaves(params)),
-        "xla_peak_mib": (
-            m.argument_size_in_bytes
-            + m.output_size_in_bytes
-            + m.temp_size_in_bytes
-            - m.alias_size_in_bytes
-        )
-        / MiB,
+        "xla_peak_mib": peak,
         "allocator_peak_mib": stats.get("peak_bytes_in_use", float("nan")) / MiB,
         "compile_s": compile_s,
         "step_ms": 1e3 * statistics.median(times),

@@ -76,6 +76,20 @@ def strategies():
     }
 
 
+def step_seconds(step, state, batch, repeats: int, calls: int = 3) -> tuple[object, list[float]]:
+    """The last state, and seconds per call, one figure per repeat: a warm-up call, then ``calls`` timed ones."""
+    times = []
+    for _ in range(repeats):
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        start = time.perf_counter()
+        for _ in range(calls):
+            state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - start) / calls)
+    return state, times
+
+
 def measure(n: int, name: str, strategy, repeats: int) -> dict:
     import numpy as np
     import optax
@@ -93,15 +107,7 @@ def measure(n: int, name: str, strategy, repeats: int) -> dict:
     compile_s = time.perf_counter() - start
     m = compiled.memory_analysis()
     count = sum(x.size for x in jax.tree.leaves(params))
-    times = []
-    for _ in range(repeats):
-        state, metrics = step(state, sharded)
-        jax.block_until_ready(metrics)
-        start = time.perf_counter()
-        for _ in range(3):
-            state, metrics = step(state, sharded)
-        jax.block_until_ready(metrics)
-        times.append((time.perf_counter() - start) / 3)
+    state, times = step_seconds(step, state, sharded, repeats)
     ring = 2 * (n - 1) / n * 4 * count
     return {
         "n": n,
