@@ -13,7 +13,15 @@ import sys
 # checkpoints, backends, the loop) knows no strategy but the default one the
 # step types name.
 LAYERS = [
-    ["jdp._version", "jdp._args", "jdp._jax_private", "jdp._extras", "jdp._ledger", "jdp._pace", "jdp._host_callbacks"],
+    [
+        "jdp._version",
+        "jdp._args",
+        "jdp._jax_private",
+        "jdp._extras",
+        "jdp._ledger",
+        "jdp._pace",
+        "jdp._host_callbacks",
+    ],
     ["jdp._tree", "jdp._devices", "jdp._watchdog"],
     ["jdp.distributed", "jdp._batching", "jdp._collectives", "jdp._conv_layout"],
     ["jdp._layout", "jdp._weighting", "jdp._loss_scale", "jdp._precision"],
