@@ -1,12 +1,17 @@
-"""How well jdp names a slow process: detection within 50 steps, false alarms on clean runs.
+"""How well jdp names a slow or a hung process: detection within 50 steps, false alarms, hangs.
 
-Runs tests/scripts/multiprocess_pace.py under jdp.launch: TRIALS jobs in which the
-last process's data loader is slowed by SLOWDOWN (0.1: 10% of its own step time)
-from step 21, and one clean job of CLEAN steps, for each layout (processes x
-devices per process). Prints how many slowed jobs named the slowed process
-within 50 steps, the steps it took, and how many times a clean job named anyone.
+Runs tests/scripts/multiprocess_pace.py under jdp.launch, for each layout
+(processes x devices per process):
 
-Usage: python benchmarks/pace.py [--trials 20] [--clean 2000] [--layouts 2x4 4x2]
+- TRIALS jobs in which the last process's data loader is slowed by SLOWDOWN
+  (0.1: 10% of its own step time) from step 21, and one clean job of CLEAN
+  steps: how many slowed jobs named the slowed process within 50 steps, the
+  steps it took, and how many times a clean job named anyone;
+- HANGS jobs in which the last process's step blocks in a host callback at
+  step 8 (``--timeout 10``): how many named that process and ended within
+  the deadline + 10 s of the hang, and the median time from hang to end.
+
+Usage: python benchmarks/pace.py [--trials 20] [--clean 2000] [--hangs 20] [--layouts 2x4 4x2]
 """
 
 import argparse
@@ -16,6 +21,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
@@ -25,7 +31,12 @@ NAMED = re.compile(
 )
 
 
-def job(layout, mode, steps, slowdown):
+HELD = re.compile(r"the job waits for process\(es\) \[(\d+)\], inside a host callback")
+DEADLINE = 10.0
+
+
+def launched(layout, mode, steps, slowdown, *options):
+    """``(processes, the finished jdp.launch run, the time it ended)``."""
     processes, devices = (int(v) for v in layout.split("x"))
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     env["PYTHONPATH"] = str(ROOT)
@@ -37,15 +48,31 @@ def job(layout, mode, steps, slowdown):
         str(processes),
         "--devices-per-process",
         str(devices),
+        *options,
         SCRIPT,
         mode,
         str(steps),
         str(slowdown),
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    return processes, run, time.time()
+
+
+def job(layout, mode, steps, slowdown):
+    processes, run, _ = launched(layout, mode, steps, slowdown)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
     return processes, [(int(p), int(s)) for p, s in NAMED.findall(run.stderr)]
+
+
+def hang(layout):
+    """Seconds from the hang to the job's end when the hung process was named and the job failed, else None."""
+    processes, run, ended = launched(layout, "hang-step", 100, 0.0, "--timeout", str(DEADLINE))
+    began = re.search(r"hanging at ([\d.]+)", run.stderr)
+    named = {int(p) for p in HELD.findall(run.stderr)}
+    if run.returncode == 0 or began is None or named != {processes - 1}:
+        return None
+    return ended - float(began.group(1))
 
 
 def main():
@@ -53,23 +80,37 @@ def main():
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--clean", type=int, default=2000, help="steps of the clean job")
     parser.add_argument("--slowdown", type=float, default=0.1)
+    parser.add_argument("--hangs", type=int, default=20, help="jobs hung in a host callback")
     parser.add_argument("--layouts", nargs="+", default=["2x4", "4x2"])
     args = parser.parse_args()
-    print(f"\nstragglers: a data loader slowed by {args.slowdown:.0%} from step 21")
-    for layout in args.layouts:
-        found = []
-        for _ in range(args.trials):
-            processes, named = job(layout, "slow", 90, args.slowdown)
-            right = [s - 20 for p, s in named if p == processes - 1]
-            found.append(right[0] if right and right[0] <= 50 else None)
-        hits = [f for f in found if f is not None]
-        after = f", median {statistics.median(hits):.0f} steps after it began" if hits else ""
-        _, false = job(layout, "clean", args.clean, 0.0)
+    if args.trials:  # 0: the hangs only
+        print(f"\nstragglers: a data loader slowed by {args.slowdown:.0%} from step 21")
+        for layout in args.layouts:
+            found = []
+            for _ in range(args.trials):
+                processes, named = job(layout, "slow", 90, args.slowdown)
+                right = [s - 20 for p, s in named if p == processes - 1]
+                found.append(right[0] if right and right[0] <= 50 else None)
+            hits = [f for f in found if f is not None]
+            after = f", median {statistics.median(hits):.0f} steps after it began" if hits else ""
+            _, false = job(layout, "clean", args.clean, 0.0)
+            print(
+                f"{layout}: named within 50 steps in {len(hits)} of {args.trials} trials{after}; "
+                f"{len(false)} false alarm(s) over {args.clean} clean steps",
+                flush=True,
+            )
+    if args.hangs:
         print(
-            f"{layout}: named within 50 steps in {len(hits)} of {args.trials} trials{after}; "
-            f"{len(false)} false alarm(s) over {args.clean} clean steps",
-            flush=True,
+            f"\nhangs: the last process's step blocks in a host callback (deadline {DEADLINE:.0f} s)"
         )
+        for layout in args.layouts:
+            ends = [hang(layout) for _ in range(args.hangs)]
+            good = [e for e in ends if e is not None and e <= DEADLINE + 10]
+            median = f", median {statistics.median(good):.1f} s from hang to end" if good else ""
+            print(
+                f"{layout}: named and ended within {DEADLINE + 10:.0f} s in {len(good)} of {args.hangs} jobs{median}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
