@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +12,22 @@ MPIRUN_ENV = {"OMPI_MCA_btl": "self,vader", "OMPI_MCA_oob_tcp_if_include": "lo"}
 MPIRUN = pytest.param(
     "mpirun", marks=pytest.mark.skipif(not shutil.which("mpirun"), reason="no mpirun")
 )
+
+
+def slurm_up() -> bool:
+    """A SLURM controller answers with an idle node (a one-node setup will do)."""
+    if not shutil.which("sinfo"):
+        return False
+    try:
+        run = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "idle" in run.stdout or "mix" in run.stdout
+
+
+SRUN = pytest.param("srun", marks=pytest.mark.skipif(not slurm_up(), reason="no SLURM"))
 
 
 def launch_command(*args: str, processes: int = 2, devices: int = 2) -> list[str]:

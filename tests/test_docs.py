@@ -62,9 +62,10 @@ LAUNCHER_LINE = {"mpirun": re.compile(r"^mpirun .*$", re.M), "srun": re.compile(
 @pytest.mark.parametrize("launcher", sorted(LAUNCHER_LINE))
 def test_multi_host_launcher_lines_run_the_script(launcher, tmp_path):
     """docs/multi-host.md's own mpirun and srun lines run its script, 2 tasks x 2 CPU devices."""
-    from tests.test_failfast import _slurm_up, base_env, free_port
+    from tests.launching import slurm_up
+    from tests.test_failfast import base_env, free_port
 
-    if not shutil.which(launcher) or (launcher == "srun" and not _slurm_up()):
+    if not shutil.which(launcher) or (launcher == "srun" and not slurm_up()):
         pytest.skip(f"{launcher} is not installed or has no cluster here")
     page = (ROOT / "docs" / "multi-host.md").read_text()
     script = tmp_path / "train.py"

@@ -4,7 +4,6 @@ at all. Each job is 2 processes x 2 CPU devices."""
 
 import os
 import pathlib
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,26 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.launching import MPIRUN, MPIRUN_ENV, mpirun_command
+from tests.launching import MPIRUN, MPIRUN_ENV, SRUN, mpirun_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_failfast.py")
 
 
-def _slurm_up() -> bool:
-    """A SLURM controller answers (e.g. the one-node setup in shared/reviews)."""
-    if not shutil.which("sinfo"):
-        return False
-    try:
-        run = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "idle" in run.stdout or "mix" in run.stdout
-
-
-SRUN = pytest.param("srun", marks=pytest.mark.skipif(not _slurm_up(), reason="no SLURM"))
 LAUNCHERS = ["jdp.launch", MPIRUN, SRUN, "slurm", "jobset"]
 
 

@@ -19,7 +19,14 @@ import numpy as np
 import pytest
 
 from jdp import _host_callbacks, _pace, _watchdog
-from tests.launching import MPIRUN, MPIRUN_ENV, clean_env, launch_command, mpirun_command
+from tests.launching import (
+    MPIRUN,
+    MPIRUN_ENV,
+    SRUN,
+    clean_env,
+    launch_command,
+    mpirun_command,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
@@ -129,6 +136,11 @@ def launch(mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    if launcher == "srun":  # a real SLURM controller (skipped where none answers)
+        env |= {"JDP_CPU_DEVICES_PER_PROCESS": "2", "JDP_TIMEOUT": str(timeout)}
+        cmd = ["srun", "-n", "2", "--label", sys.executable, *args]
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        return run.returncode, run.stderr, time.time()
     if launcher == "mpirun":
         names = ["PYTHONPATH", "JDP_CPU_DEVICES_PER_PROCESS", "JAX_COORDINATOR_PORT", "JDP_TIMEOUT"]
         env |= MPIRUN_ENV | {
@@ -188,7 +200,7 @@ def test_a_clean_job_names_no_one():
     assert "sets the job's pace" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN])
+@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN, SRUN])
 def test_a_process_hung_in_its_data_is_named_and_ends_the_job(launcher):
     code, err, ended = launch("hang-data", 100, timeout=10, launcher=launcher)
     assert code != 0, err[-3000:]
@@ -198,7 +210,7 @@ def test_a_process_hung_in_its_data_is_named_and_ends_the_job(launcher):
     assert "process 1: 6 step calls" in err and "data loading at step 7" in err, err[-3000:]
 
 
-@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN])
+@pytest.mark.parametrize("launcher", ["jdp.launch", "jobset", MPIRUN, SRUN])
 def test_a_job_hung_inside_a_step_ends_within_the_deadline_and_says_where(launcher):
     code, err, ended = launch("hang-step", 100, timeout=10, launcher=launcher)
     assert code != 0, err[-3000:]

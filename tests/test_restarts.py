@@ -12,6 +12,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.launching import slurm_up
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "preempt_run.py")
 STEPS = 30
@@ -305,13 +307,7 @@ def test_an_fsdp_job_restarted_by_the_launcher_ends_as_the_uninterrupted_one(tmp
     assert_bitwise(failed_dir, np.load(ref_dir / "final.npz"))
 
 
-def _slurm_up():
-    from tests.test_failfast import _slurm_up as up
-
-    return up()
-
-
-@pytest.mark.skipif(not _slurm_up(), reason="no SLURM controller")
+@pytest.mark.skipif(not slurm_up(), reason="no SLURM controller")
 def test_sbatch_requeue_resumes_a_preempted_job_bitwise(tmp_path, reference):
     """docs/checkpointing.md's batch script, on CPU: SIGTERM to the job's tasks (as
     --signal or scancel -s TERM send it) -> checkpoint, exit 75 -> scontrol requeue -> the
