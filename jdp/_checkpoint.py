@@ -59,6 +59,13 @@ class Checkpointer:
       max_to_keep: keep only the newest this many checkpoints (None: all).
       async_save: write in a background thread; call
         :meth:`wait_until_finished` before reading or exiting.
+      local_directory: fast storage on each host (e.g. ``/dev/shm/my-run``)
+        for the survivors' copy: :func:`jdp.fit` keeps the newest completed
+        step in memory, the processes still alive write it here when the job
+        fails, and the restarted job resumes from it when it is newer than
+        the newest checkpoint, so a failure of some processes loses no
+        completed step (``docs/checkpointing.md``). Needs a step that keeps
+        its input state: ``donate_state=False``.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, optax, jdp
@@ -76,6 +83,7 @@ class Checkpointer:
         *,
         max_to_keep: int | None = 3,
         async_save: bool = False,
+        local_directory: str | pathlib.Path | None = None,
     ):
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
@@ -86,6 +94,16 @@ class Checkpointer:
                 f"jdp.Checkpointer: directory must be a path (str or pathlib.Path), got {directory!r}."
             )
         check_bool(async_save, "async_save", where="jdp.Checkpointer")
+        if local_directory is not None and not isinstance(local_directory, (str, os.PathLike)):
+            raise TypeError(
+                "jdp.Checkpointer: local_directory must be a path (str or pathlib.Path) or "
+                f"None, got {local_directory!r}."
+            )
+        self.local_directory = (
+            None
+            if local_directory is None
+            else pathlib.Path(local_directory).expanduser().absolute()
+        )
         self.directory = pathlib.Path(directory).expanduser().absolute()
         if self.directory.exists() and not self.directory.is_dir():
             raise ValueError(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 import numpy as np
 
-from jdp import _tree, _watchdog
+from jdp import _standby, _tree, _watchdog
 from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
@@ -121,7 +121,8 @@ def fit(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
-    state, history, ledger, record = _start(state, train_data, num_steps, checkpointer)
+    standby = _standby_for(train_step, state, checkpointer)
+    state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
     # so hooks and checkpoints see the position of the batch just trained on.
@@ -131,7 +132,7 @@ def fit(
     position = _position(train_data)
     preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
     first, ckpt = True, (train_step, checkpointer, record, ledger)
-    with _progress_bar(progress) as bar, preemptible:
+    with _progress_bar(progress) as bar, preemptible, _standby.active(standby):
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task, _rules(train_step))
         while step < num_steps:
@@ -148,6 +149,8 @@ def fit(
             if epoch is not None and on_epoch_end is not None:
                 ledger.enter("hooks")
                 state = _run_hook(on_epoch_end, epoch, state)
+            if standby is not None:
+                standby.keep(step, state, position, history)
             if step % log_every == 0 or step == num_steps:
                 rows.hold(step, metrics, _note_time(ledger, record, step))
             if eval_step is not None and _due(step, num_steps, eval_every):
@@ -159,6 +162,8 @@ def fit(
         rows.flush()
         _check_audit(train_step)
     _finish(checkpointer, record, ledger, history, progress)
+    if standby is not None:
+        standby.remove()
     _watchdog.set_phase("its own code after jdp.fit returned", step)
     return state, history
 
@@ -210,21 +215,32 @@ def _writes() -> bool:
 
 
 def _start(
-    state: PyTree, train_data, num_steps: int, checkpointer: Checkpointer | None
+    state: PyTree,
+    train_data,
+    num_steps: int,
+    checkpointer: Checkpointer | None,
+    standby: "_standby.Standby | None",
 ) -> tuple[PyTree, History, Ledger, Record | None]:
-    """The state and history to start from (the latest checkpoint's, if any) and the ledger.
+    """The state and history to start from and the ledger.
 
-    The ledger starts here, so the checks and the restore are charged too.
+    The start is the newest of the latest checkpoint and the survivors'
+    copies (``Checkpointer(local_directory=...)``), if there is any. The
+    ledger starts here, so the checks and the restore are charged too.
     """
     ledger = Ledger()
     record = None if checkpointer is None else Record(checkpointer.directory, _writes())
     history = History()
-    if checkpointer is not None and checkpointer.latest_step() is not None:
+    latest = None if checkpointer is None else checkpointer.latest_step()
+    if standby is not None or latest is not None:
         ledger.enter("restore")
+    kept = None if standby is None else _standby.restore(standby.folder, state, latest)
+    if kept is not None:
+        state, history = _resumed(*kept, train_data, "the survivors' copy")
+    elif checkpointer is not None and latest is not None:
         state, history = _resume(checkpointer, state, train_data)
-        ledger.enter("startup")
-        if record is not None:
-            ledger.add(record.resumed(_step_of(state), history.time, ledger.started))
+    ledger.enter("startup")
+    if history.resumed_at and record is not None:
+        ledger.add(record.resumed(_step_of(state), history.time, ledger.started))
     step = _step_of(state)
     if step > num_steps:
         where = ""
@@ -326,12 +342,37 @@ def _check_fit_args(
         )
 
 
+def _standby_for(
+    train_step: Runner, state: PyTree, checkpointer: Checkpointer | None
+) -> "_standby.Standby | None":
+    """The survivors' copy of this run, when the checkpointer has a local directory."""
+    if checkpointer is None or checkpointer.local_directory is None:
+        return None
+    if getattr(train_step, "donates_state", False):
+        raise ValueError(
+            "jdp.fit: Checkpointer(local_directory=...) keeps the newest completed step while "
+            "the next one runs, but train_step donates its input state to the next one. Wrap "
+            "the step with donate_state=False (jdp.pmap(..., donate_state=False) or "
+            "jdp.shard_map(..., donate_state=False)); it costs one more copy of the state "
+            "per device."
+        )
+    _standby.check_state(state)
+    folder = _standby.run_folder(checkpointer.local_directory, checkpointer.directory)
+    return _standby.Standby(folder, jax.process_index())
+
+
 def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTree, History]:
     state, extra = checkpointer.restore(state)
+    where = f"checkpoint {_step_of(state)} in {checkpointer.directory}"
+    return _resumed(state, extra, train_data, where)
+
+
+def _resumed(state: PyTree, extra: Any, train_data, where: str) -> tuple[PyTree, History]:
+    """The restored state with its data position set and its history continued."""
     step = _step_of(state)
     if not isinstance(extra, dict) or "data" not in extra:
         raise ValueError(
-            f"jdp.fit: checkpoint {step} in {checkpointer.directory} was not written by fit (its "
+            f"jdp.fit: {where} was not written by fit (its "
             "extra holds no data position), so fit cannot resume it exactly. Restore it "
             "yourself with checkpointer.restore(state) and train into a new directory, or "
             "save with extra={'data': train_data.get_state()}."
@@ -339,7 +380,7 @@ def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTr
     if extra["data"] is not None:
         if not hasattr(train_data, "set_state"):
             raise TypeError(
-                f"jdp.fit: checkpoint {step} holds a data position, but train_data "
+                f"jdp.fit: {where} holds a data position, but train_data "
                 f"({type(train_data).__name__}) has no set_state(); resume with the same "
                 "kind of iterator."
             )

@@ -329,6 +329,9 @@ def _on_sigterm(job: _Job) -> None:
         while signal.SIGTERM not in os.read(read_fd, 64):
             pass
         if job.savers:  # jdp.fit saves a checkpoint at the next agreed step, then exits
+            # What must not wait first (the survivors' copy): a peer may be gone
+            # already, and then the agreed step never comes.
+            job.before_exit(0.0)
             job.preempted_at = time.monotonic()
             sys.stderr.write(
                 f"[jdp] {job.who()} received SIGTERM in {job.doing()}: saving a checkpoint "

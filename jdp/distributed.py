@@ -37,10 +37,13 @@ ENV_JOB_INDEX = "JOB_COMPLETION_INDEX"  # Kubernetes sets it in every pod of an 
 _BEFORE_FATAL_EXIT: list[Callable[[float], None]] = []
 
 
-def before_fatal_exit(fn: Callable[[float], None]) -> None:
-    """Registers ``fn(timeout_s)`` to run when an uncaught exception ends this process."""
+def before_fatal_exit(fn: Callable[[float], None], *, first: bool = False) -> None:
+    """Registers ``fn(timeout_s)`` to run when a failure or SIGTERM ends this process.
+
+    ``first``: before the others (what must not wait behind a bounded wait).
+    """
     if fn not in _BEFORE_FATAL_EXIT:
-        _BEFORE_FATAL_EXIT.append(fn)
+        _BEFORE_FATAL_EXIT.insert(0 if first else len(_BEFORE_FATAL_EXIT), fn)
 
 
 def initialize(

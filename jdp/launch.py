@@ -9,7 +9,10 @@ prefixed with its index. If any process fails, the others are stopped
 failing code, or, with ``--max-restarts K``, starts the whole job again (up to
 K times; the script resumes from its checkpoints). A job whose processes stop making progress (one waits in a
 collective for a step another never runs) ends within about ``--timeout``
-seconds with a message naming them. If the launcher itself is stopped, it
+seconds with a message naming them. With ``--elastic``, a restart after
+processes were killed runs on those left (down to a divisor of
+``--processes``); a script whose checkpointer has a ``local_directory``
+resumes from the step the survivors kept (``docs/checkpointing.md``). If the launcher itself is stopped, it
 passes SIGTERM on (``jdp.fit`` saves a last checkpoint) and exits with 130 for
 Ctrl-C, 75 for SIGTERM or SIGHUP once every process saved ("run me again");
 a second Ctrl-C kills at once. If it is killed, so are its processes. Clusters use their own launchers (srun,
@@ -142,26 +145,36 @@ def _start(script, args, processes, devices_per_process, timeout) -> list[subpro
     return procs
 
 
-def _watch(procs: list[subprocess.Popen], timeout: float) -> tuple[int, str | None]:
-    """Waits for the job; returns ``(exit code, why it was stopped or None)``."""
+def _watch(procs: list[subprocess.Popen], timeout: float) -> tuple[int, str | None, int]:
+    """Waits for the job; returns ``(exit code, why it was stopped or None, processes lost)``.
+
+    Lost: those killed by a signal before the launcher stopped the others.
+    """
     finished_at = None
+    exited = threading.Event()
+    for p in procs:  # a process's exit wakes the loop at once: the others are told in ms
+        threading.Thread(target=lambda p=p: (p.wait(), exited.set()), daemon=True).start()
     while [p.poll() for p in procs].count(None):  # poll every process, every time
         failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
         if failed:
             code = procs[failed[0]].returncode
-            return code, f"process {failed[0]} exited with {code}; stopping the others"
+            lost = sum(1 for p in procs if p.returncode is not None and p.returncode < 0)
+            return code, f"process {failed[0]} exited with {code}; stopping the others", lost
         done = [i for i, p in enumerate(procs) if p.returncode == 0]
         if done and finished_at is None:
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > timeout + GRACE_SECONDS:
             running = [i for i, p in enumerate(procs) if p.returncode is None]
-            return 1, (
+            return (
+                1,
                 f"process(es) {running} still running {timeout:.0f} s after process(es) "
                 f"{done} finished: they stopped making progress (waiting in a collective "
-                "for a step the others never ran?); stopping them"
+                "for a step the others never ran?); stopping them",
+                0,
             )
-        time.sleep(0.05)
-    return next((p.returncode for p in procs if p.returncode != 0), 0), None
+        exited.wait(0.05)
+        exited.clear()
+    return next((p.returncode for p in procs if p.returncode != 0), 0), None, 0
 
 
 def launch(
@@ -173,18 +186,24 @@ def launch(
     timeout: int = DEFAULT_TIMEOUT,
     verbose: bool = False,
     max_restarts: int = 0,
+    elastic: bool = False,
 ) -> int:
     """Runs ``script`` in ``processes`` processes; returns the job's exit code.
 
     With ``max_restarts``, a job that fails is stopped and started again, all
     processes together, up to that many times (torchrun's rule); the script
     resumes from its checkpoints. Giving up, it says whether every failure was
-    at the same step (a failure that restarts cannot get past).
+    at the same step (a failure that restarts cannot get past). With
+    ``elastic``, a restart after processes were killed (by a signal: a lost
+    machine, the OOM killer) runs on the processes left, lowered to the
+    largest count that divides ``processes`` (so exact mode's virtual
+    replicas still divide evenly among the devices).
     """
     steps: list[int | None] = []
+    running = processes
     for attempt in range(max_restarts + 1):
-        code, why, tails, interrupted = _run(
-            script, args, processes, devices_per_process, timeout, verbose
+        code, why, tails, interrupted, lost = _run(
+            script, args, running, devices_per_process, timeout, verbose
         )
         if why:
             sys.stderr.write(f"[launch] {why}\n")
@@ -201,11 +220,21 @@ def launch(
                     + ".\n"
                 )
             break
+        left = _left(processes, running, lost) if elastic else running
+        on = "" if left == running else f", on the {left} process(es) left of {running}"
         sys.stderr.write(
-            f"[launch] restart {attempt + 1} of {max_restarts}: the job exited with {code}{at}\n"
+            f"[launch] restart {attempt + 1} of {max_restarts}: the job exited with "
+            f"{code}{at}{on}\n"
         )
         sys.stderr.flush()
+        running = left
     return 1 if code < 0 else code
+
+
+def _left(processes: int, running: int, lost: int) -> int:
+    """The processes a restart runs on: those left, down to a divisor of ``processes``."""
+    left = max(running - lost, 1)
+    return max(d for d in range(1, left + 1) if processes % d == 0)
 
 
 def _failed_step(tails: list[collections.deque]) -> int | None:
@@ -249,8 +278,9 @@ def _run(script, args, processes, devices_per_process, timeout, verbose):
     stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.signal(s, terminate) for s in stopping}
     grace = GRACE_SECONDS
+    lost = 0
     try:
-        code, why = _watch(procs, timeout)
+        code, why, lost = _watch(procs, timeout)
     except KeyboardInterrupt:
         # Interrupted (Ctrl-C, SIGTERM): jdp.fit saves a last checkpoint on the
         # SIGTERM it now receives, which may take a few steps; wait for it.
@@ -273,7 +303,7 @@ def _run(script, args, processes, devices_per_process, timeout, verbose):
             f"process(es) {stalled} stopped making progress: the others waited for them at "
             f"exit for {timeout} s (do all processes run the same number of steps?)"
         )
-    return code, why, tails, bool(signals)
+    return code, why, tails, bool(signals), lost
 
 
 def _interrupted_code(signum: int, procs: list[subprocess.Popen]) -> int:
@@ -316,6 +346,12 @@ def main(argv=None) -> None:
         help="restart the whole job this many times after a failure (default 0); the "
         "script resumes from its checkpoints",
     )
+    parser.add_argument(
+        "--elastic",
+        action="store_true",
+        help="restart on the processes left after some were killed by a signal (down to a "
+        "divisor of --processes), not on as many as before",
+    )
     parser.add_argument("--verbose", action="store_true", help="show Gloo's connection lines")
     parser.add_argument("script", help="the Python script each process runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -336,6 +372,7 @@ def main(argv=None) -> None:
         timeout=timeout,
         verbose=ns.verbose,
         max_restarts=ns.max_restarts,
+        elastic=ns.elastic,
     )
     sys.exit(code)
 

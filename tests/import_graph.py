@@ -44,7 +44,14 @@ LAYERS = [
     ["jdp.backends._shard_map", "jdp.backends._pmap"],
     ["jdp.backends"],
     ["jdp._faults"],
-    ["jdp.testing", "jdp._evaluation", "jdp._checkpoint", "jdp._data", "jdp._tensorboard"],
+    [
+        "jdp.testing",
+        "jdp._evaluation",
+        "jdp._checkpoint",
+        "jdp._standby",
+        "jdp._data",
+        "jdp._tensorboard",
+    ],
     ["jdp._loop", "jdp.nnx"],
     ["jdp", "jdp.launch", "jdp.demo", "jdp.verify"],
 ]

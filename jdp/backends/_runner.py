@@ -78,6 +78,11 @@ class Backend(abc.ABC, Generic[K]):
         self._audit = None if audit is None else Checker(audit, self.name, self._replica_devices())
         warn_if_cpu_pool_unsafe(size)
 
+    @property
+    def donates_state(self) -> bool:
+        """Whether a call consumes its input state (``donate_state``)."""
+        return bool(self._donate)
+
     def _build(self) -> None:
         self._fn = self._compile(True)
         # Under an outer jit, which takes the options itself (a nested jit cannot).

@@ -8,12 +8,17 @@ DIR/ckpt every 5 steps and resuming from it; prints "step N" after every step
 (slowly, so a test can send a signal mid-run) and writes the final params to
 DIR/final.npz. Each process writes its pid to DIR/pid-<index>. With
 $FAIL_AT="P:S[,P:S...]", process P raises at step S, once per DIR (a marker
-file remembers it) unless $FAIL_ALWAYS is set. With $RECORD=PATH each process
-appends each batch's iterator position and example ids to PATH-<index>.
+file remembers it) unless $FAIL_ALWAYS is set; with $KILL_AT="P:S", process P
+kills itself (SIGKILL) at step S, once per DIR. With $LOCAL set, the
+checkpointer keeps the survivors' copy in DIR/local (and the step does not
+donate its state). With $RECORD=PATH each process
+appends each batch's iterator position and example ids to PATH-<index>. Each process
+appends "STEP TIME" to DIR/steps-<index> as each step's row is read back.
 """
 
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -36,15 +41,21 @@ STRATEGIES = {
 
 
 def failing_callback(directory):
-    """Raises at each "P:S" of $FAIL_AT (comma-separated), once per DIR unless $FAIL_ALWAYS."""
-    specs = [
-        tuple(map(int, spec.split(":")))
-        for spec in os.environ.get("FAIL_AT", "").split(",")
-        if spec
-    ]
+    """Raises at each "P:S" of $FAIL_AT (comma-separated), once per DIR unless $FAIL_ALWAYS;
+    SIGKILLs itself at each "P:S" of $KILL_AT, once per DIR."""
+
+    def specs(name):
+        return [tuple(map(int, s.split(":"))) for s in os.environ.get(name, "").split(",") if s]
+
+    fails, kills = specs("FAIL_AT"), specs("KILL_AT")
 
     def callback(row):
-        for process, step in specs:
+        for process, step in kills:
+            marker = directory / f"killed-{process}-{step}"
+            if jax.process_index() == process and row["step"] == step and not marker.exists():
+                marker.write_text(str(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+        for process, step in fails:
             marker = directory / f"failed-{process}-{step}"
             here = jax.process_index() == process and row["step"] == step
             if here and (os.environ.get("FAIL_ALWAYS") or not marker.exists()):
@@ -80,7 +91,9 @@ def main(directory, steps):
     directory = pathlib.Path(directory)
     (directory / f"pid-{jax.process_index()}").write_text(str(os.getpid()))
     strategy = STRATEGIES[os.environ.get("STRATEGY", "exact")]()
-    step = jdp.pmap(jdp.make_train_step(models.mlp_loss, strategy=strategy))
+    local = directory / "local" if os.environ.get("LOCAL") else None
+    train_step = jdp.make_train_step(models.mlp_loss, strategy=strategy)
+    step = jdp.pmap(train_step, donate_state=False if local else None)
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2)))
     examples = models.regression_batch(256, seed=7)
     data = jdp.BatchIterator({**examples, "id": np.arange(256)}, 32, seed=3)
@@ -89,9 +102,11 @@ def main(directory, steps):
 
     def report(row):
         print("step", row["step"], flush=True)
+        with open(directory / f"steps-{jax.process_index()}", "a") as f:
+            f.write(f"{row['step']} {time.time()}\n")  # when each step's row was read back
         time.sleep(0.05)
 
-    with jdp.Checkpointer(directory / "ckpt", max_to_keep=3) as ckpt:
+    with jdp.Checkpointer(directory / "ckpt", max_to_keep=3, local_directory=local) as ckpt:
         state, _ = jdp.fit(
             step,
             state,

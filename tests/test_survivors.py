@@ -1,0 +1,205 @@
+"""The survivors' copy (Checkpointer(local_directory=...)): a process that dies costs no
+completed step. In one process the exit path's hook is called by hand; the jobs kill a
+process of a 4 x 2 exact-mode job (a random one, fixed seed; process 0 too) and of a 2 x 2
+ordinary job, and restart them under jdp.launch."""
+
+import itertools
+import os
+import pathlib
+import re
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jdp
+from jdp import _standby
+from tests import models
+from tests.test_restarts import STEPS, assert_bitwise, env, launched, read_order, run
+
+DATA = models.regression_batch(96, seed=5)
+
+
+def fit(directory, num_steps, callbacks=(), donate=False, local=True, state=None):
+    step = jdp.pmap(jdp.make_train_step(models.mlp_loss), donate_state=None if donate else False)
+    if state is None:
+        state = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
+    local_directory = directory / "local" if local else None
+    with jdp.Checkpointer(directory / "ckpt", local_directory=local_directory) as ckpt:
+        return jdp.fit(
+            step,
+            step.replicate(state),
+            jdp.BatchIterator(DATA, 16, seed=2),
+            num_steps=num_steps,
+            checkpointer=ckpt,
+            checkpoint_every=5,
+            callbacks=callbacks,
+            log_every=1,
+            progress=False,
+        )
+
+
+def fail_at(step):
+    """A callback that, at ``step``, runs the exit path's hook and raises (a process failing)."""
+
+    def callback(row):
+        if row["step"] == step:
+            _standby.write_active(0.0)
+            raise RuntimeError(f"failed at step {step}")
+
+    return callback
+
+
+def leaves(state):
+    return [
+        np.asarray(x) for x in jax.tree.leaves(jdp.unreplicate((state.params, state.opt_state)))
+    ]
+
+
+def test_a_failed_fit_resumes_from_the_kept_step_not_the_checkpoint(tmp_path):
+    reference, _ = fit(tmp_path / "reference", 20)
+    with pytest.raises(RuntimeError, match="failed at step 8"):
+        fit(tmp_path, 20, callbacks=[fail_at(8)])
+    # The row of step 8 is read after step 9 is dispatched: step 8 is the newest the
+    # loop held when it failed, kept instead of checkpoint 5.
+    assert _standby.newest(next((tmp_path / "local").iterdir()))[0] == 8
+    state, history = fit(tmp_path, 20)
+    assert history.resumed_at == [8]
+    assert [row["step"] for row in history.train] == list(range(1, 21))
+    for got, expected in zip(leaves(state), leaves(reference), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert not list((tmp_path / "local").rglob("*.npz"))  # a finished run removes its copies
+
+
+def test_a_copy_older_than_the_checkpoint_is_not_used(tmp_path):
+    with pytest.raises(RuntimeError):
+        fit(tmp_path, 20, callbacks=[fail_at(3)])  # step 4 kept, no checkpoint yet
+    _, history = fit(tmp_path, 12, local=False)  # trains from 0 to checkpoint 12
+    assert history.resumed_at == []
+    _, history = fit(tmp_path, 14)
+    assert history.resumed_at == [12]
+
+
+def test_copies_of_another_run_in_the_same_folder_are_ignored(tmp_path):
+    with pytest.raises(RuntimeError):
+        fit(tmp_path, 20, callbacks=[fail_at(8)])
+    stale = next((tmp_path / "local").iterdir())
+    for path in (tmp_path / "ckpt").iterdir():  # the user starts over in the same folder
+        if path.is_dir():
+            for item in sorted(path.rglob("*"), reverse=True):
+                item.unlink() if item.is_file() else item.rmdir()
+            path.rmdir()
+        else:
+            path.unlink()
+    _, history = fit(tmp_path, 6)
+    assert history.resumed_at == []
+    assert not stale.exists()
+
+
+def test_a_step_that_donates_its_state_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(ValueError, match=r"donate_state=False") as info:
+        fit(tmp_path, 4, donate=True)
+    assert str(info.value).startswith("jdp.fit: Checkpointer(local_directory=...) keeps")
+
+
+def test_a_split_state_is_refused_by_name(tmp_path):
+    step = jdp.pmap(
+        jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), donate_state=False
+    )
+    state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2)))
+    ckpt = jdp.Checkpointer(tmp_path / "ckpt", local_directory=tmp_path / "local")
+    with pytest.raises(ValueError, match=r"splits it across the replicas \(zero1, fsdp\)"):
+        jdp.fit(step, state, jdp.BatchIterator(DATA, 16), num_steps=2, checkpointer=ckpt)
+
+
+def test_a_local_directory_that_is_not_a_path_is_a_type_error(tmp_path):
+    with pytest.raises(TypeError, match=r"^jdp.Checkpointer: local_directory must be a path"):
+        jdp.Checkpointer(tmp_path, local_directory=3)
+
+
+def test_the_host_copy_reads_keys_and_both_layouts(tmp_path):
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "key": jax.random.key(4)}
+    for placed in (jdp.replicate(state), jdp.shard_map(lambda s, b: (s, {})).replicate(state)):
+        host = _standby._host_copy(placed)
+        assert host is not None
+        np.testing.assert_array_equal(host[1], np.asarray(state["w"]))
+        np.testing.assert_array_equal(host[0], np.asarray(jax.random.key_data(state["key"])))
+
+
+KEPT = re.compile(r"\[(\d)\] \[jdp\] process \d kept step (\d+)")
+
+
+def killed_job(directory, victim, at, **extra):
+    """A 4 x 2 exact-mode job whose process ``victim`` SIGKILLs itself at step ``at``."""
+    cmd, environ = launched(directory, restarts=1, LOCAL="1", KILL_AT=f"{victim}:{at}", **extra)
+    cmd[cmd.index("--processes") + 1] = "4"
+    cmd[cmd.index("--devices-per-process") + 1] = "2"
+    cmd.insert(cmd.index("--max-restarts"), "--elastic")
+    return cmd, environ
+
+
+def first_position_read_again(log):
+    """The first iterator position a restarted process read (its positions went back)."""
+    positions = [int(line.split(" ", 1)[0]) for line in pathlib.Path(log).read_text().splitlines()]
+    return next(b for a, b in itertools.pairwise(positions) if b <= a)
+
+
+@pytest.mark.parametrize("victim", ["random", 0])
+def test_a_killed_process_costs_no_completed_step_and_no_bit(tmp_path, victim, reference):
+    rng = np.random.default_rng(32)  # one schedule per run; benchmarks/survivors.py runs 20
+    victim = int(rng.integers(1, 4)) if victim == "random" else victim
+    at = int(rng.integers(6, 24))
+    result = run(killed_job(tmp_path, victim, at, RECORD=str(tmp_path / "ids")), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "on the 2 process(es) left of 4" in result.stderr, result.stderr[-3000:]
+    kept = {int(p): int(s) for p, s in KEPT.findall(result.stderr)}
+    assert victim not in kept and len(kept) >= 2, result.stderr[-3000:]
+    # The victim read its row for step `at`, so `at` was complete everywhere, and
+    # every survivor kept the same step: the newest one every process completed.
+    (step,) = set(kept.values())
+    assert step >= at, (kept, at)
+    assert f"[jdp] resuming at step {step} from the survivors' copy" in result.stderr
+    assert first_position_read_again(tmp_path / "ids-0") == step + 1  # no batch skipped or redone
+    assert_bitwise(tmp_path, reference)
+
+
+def test_the_ordinary_step_continues_from_the_kept_step_with_the_same_samples(tmp_path):
+    """data_parallel, 2 x 2, the same layout after the restart: every position is trained on
+    the same examples as without the kill, and the state agrees (rtol 1e-6)."""
+    ref_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    ref_dir.mkdir(), killed_dir.mkdir()
+    record = {"STRATEGY": "data_parallel", "LOCAL": "1"}
+    result = run(launched(ref_dir, RECORD=str(ref_dir / "ids"), **record))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run(
+        launched(killed_dir, restarts=1, KILL_AT="1:13", RECORD=str(killed_dir / "ids"), **record)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (step,) = {int(s) for _, s in KEPT.findall(result.stderr)}
+    assert step >= 13 and step % 5, step  # newer than checkpoint 10
+    assert f"[jdp] resuming at step {step} from the survivors' copy" in result.stderr
+    expected, got = read_order(ref_dir / "ids", 2), read_order(killed_dir / "ids", 2)
+    trained = {key: ids for key, ids in expected.items() if key[1] <= STEPS}
+    assert {key: got[key] for key in trained} == trained
+    reference, final = np.load(ref_dir / "final.npz"), np.load(killed_dir / "final.npz")
+    for name in reference.files:
+        np.testing.assert_allclose(final[name], reference[name], rtol=1e-6, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted exact-mode run: 1 process x 4 devices."""
+    directory = tmp_path_factory.mktemp("reference")
+    cmd = [os.sys.executable, str(pathlib.Path(__file__).parent / "scripts" / "preempt_run.py")]
+    result = subprocess.run(
+        [*cmd, str(directory), str(STEPS)],
+        env=env(JDP_CPU_DEVICES_PER_PROCESS="4"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return np.load(directory / "final.npz")
