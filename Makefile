@@ -84,6 +84,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/exact_cost.py
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/pace.py
+	$(PY) benchmarks/survivors.py
 	$(PY) benchmarks/import_time.py
 
 clean:

@@ -60,7 +60,7 @@ class Standby:
         with self._lock:
             self._kept.append((step, state, position))
             self._history = history
-            while len(self._kept) > 1 and _ready(self._kept[1][1]):
+            while len(self._kept) > 1 and _done(self._kept[1][1]):
                 self._kept.popleft()
         if len(self._kept) > _KEPT:
             jax.block_until_ready(self._kept[1][1])
@@ -212,6 +212,15 @@ def check_state(state: PyTree) -> None:
 def _ready(state: PyTree) -> bool:
     arrays = [_data(x) for x in jax.tree.leaves(state)]
     return all(x.is_ready() for x in arrays if isinstance(x, jax.Array))  # type: ignore[attr-defined]
+
+
+def _done(state: PyTree) -> bool:
+    """Whether the step that made ``state`` finished (its outputs complete together)."""
+    for x in jax.tree.leaves(state):
+        x = _data(x)
+        if isinstance(x, jax.Array):
+            return x.is_ready()  # type: ignore[attr-defined]
+    return True
 
 
 def _data(x: Any) -> Any:

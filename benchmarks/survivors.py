@@ -1,0 +1,206 @@
+"""`make bench`: what the survivors' copy costs, and what a killed process costs with it.
+
+Cost: the bench MLP of benchmarks/run.py (784-512-512-10, Adam, global batch
+512) on 8 CPU devices, for each backend:
+
+  donating  jdp.make_train_step(loss), the state donated to the next step (reference)
+  kept      the same step with donate_state=False, each new state held by the
+            survivors' copy as jdp.fit holds it (Checkpointer(local_directory=...))
+
+Rounds are interleaved so machine noise hits every variant alike; each
+figure is the median over rounds of the mean step time of ``--steps`` calls;
+the ratio is kept/donating step time (goal: <= 1.05). The memory line is
+the state's bytes per device and the copies the loop may hold.
+
+Trials: ``--trials`` jobs of 4 processes x 2 devices in exact mode
+(tests/scripts/preempt_run.py, 30 steps, checkpoints every 5) under
+``jdp.launch --max-restarts 1 --elastic``, each with a random process (1-3;
+with ``--coordinator`` 0) SIGKILLed at a random step. A trial passes when the
+survivors kept one step, no older than the killed process's last completed
+one; the restart (on 2 processes) resumed at it and read the next batch
+position first; and the final params and optimizer state equal the
+uninterrupted run's bitwise. Printed: passes, steps lost, and the seconds
+from the kill to the row of the first step after it (median, max).
+
+Usage: python benchmarks/survivors.py [--rounds 7] [--steps 50] [--trials 3]
+       [--coordinator] [--seed 0] [--json out.json]
+"""
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import jdp
+
+jdp.force_cpu_devices(8)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from benchmarks import run as bench  # noqa: E402
+from jdp import _standby  # noqa: E402
+
+SCRIPT = str(ROOT / "tests" / "scripts" / "preempt_run.py")
+STEPS = 30
+BACKENDS = {"pmap": jdp.pmap, "shard_map": jdp.shard_map}
+
+
+class Kept:
+    """A non-donating step whose every new state a Standby holds, as jdp.fit does."""
+
+    def __init__(self, step, folder):
+        self.step, self.standby, self.count = step, _standby.Standby(folder, 0), 0
+
+    def __call__(self, state, batch):
+        state, metrics = self.step(state, batch)
+        self.count += 1
+        self.standby.keep(self.count, state, None, None)
+        return state, metrics
+
+
+def cost(rounds, steps):
+    out = {}
+    folder = pathlib.Path(tempfile.mkdtemp())
+    for backend, wrap in BACKENDS.items():
+        runners = {
+            "donating": wrap(jdp.make_train_step(bench.loss_fn)),
+            "kept": Kept(wrap(jdp.make_train_step(bench.loss_fn), donate_state=False), folder),
+        }
+        states, batches = {}, {}
+        for name, runner in runners.items():
+            step = runner.step if isinstance(runner, Kept) else runner
+            states[name] = step.replicate(
+                jdp.TrainState.create(params=bench.init_params(), tx=optax.adam(1e-3))
+            )
+            batches[name] = step.shard(bench.data())
+            states[name], m = runner(states[name], batches[name])
+            jax.block_until_ready(m)
+        times = bench.time_rounds(runners, states, batches, rounds, steps)
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        out[backend] = {"ms": ms, "ratio": ms["kept"] / ms["donating"]}
+    state = jdp.unreplicate(states["donating"])
+    out["state_bytes"] = int(
+        sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    )
+    return out
+
+
+KEPT = re.compile(r"\[(\d)\] \[jdp\] process \d kept step (\d+)")
+
+
+def job(directory, victim, at):
+    cmd = [sys.executable, "-m", "jdp.launch", "--processes", "4", "--devices-per-process", "2"]
+    cmd += ["--max-restarts", "1", "--elastic", SCRIPT, str(directory), str(STEPS)]
+    environ = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    environ |= {"PYTHONPATH": str(ROOT), "LOCAL": "1", "KILL_AT": f"{victim}:{at}"}
+    environ |= {"RECORD": str(directory / "ids")}
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=600)
+
+
+def reference(directory):
+    environ = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    environ |= {"PYTHONPATH": str(ROOT), "JDP_CPU_DEVICES_PER_PROCESS": "4"}
+    result = subprocess.run(
+        [sys.executable, SCRIPT, str(directory), str(STEPS)],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if result.returncode:
+        raise RuntimeError(result.stderr[-3000:])
+    return np.load(directory / "final.npz")
+
+
+def trial(directory, victim, at, expected):
+    """``(passed, steps lost, seconds from the kill to the next step's row, why)``."""
+    result = job(directory, victim, at)
+    if result.returncode:
+        return False, None, None, f"exit {result.returncode}: {result.stderr[-500:]}"
+    kept = {int(s) for _, s in KEPT.findall(result.stderr)}
+    if len(kept) != 1:
+        return False, None, None, f"kept {kept}"
+    (step,) = kept
+    lost = max(at - step, 0)
+    resumed = f"[jdp] resuming at step {step} from the survivors' copy" in result.stderr
+    lines = (directory / "ids-0").read_text().splitlines()
+    positions = [int(line.split(" ", 1)[0]) for line in lines]
+    again = next((b for a, b in itertools.pairwise(positions) if b <= a), None)
+    final = np.load(directory / "final.npz")
+    bitwise = all(np.array_equal(final[k], expected[k]) for k in expected.files)
+    killed_at = float((directory / f"killed-{victim}-{at}").read_text())
+    rows = [line.split() for line in (directory / "steps-0").read_text().splitlines()]
+    after = [float(t) for s, t in rows if int(s) > step and float(t) > killed_at]
+    seconds = min(after) - killed_at if after else None
+    passed = resumed and again == step + 1 and bitwise and lost == 0
+    why = "" if passed else f"resumed {resumed}, first read {again}, bitwise {bitwise}"
+    return passed, lost, seconds, why
+
+
+def trials(count, coordinator, seed):
+    rng = np.random.default_rng(seed)
+    root = pathlib.Path(tempfile.mkdtemp())
+    (root / "reference").mkdir()
+    expected = reference(root / "reference")
+    out = []
+    for i in range(count):
+        victim = 0 if coordinator else int(rng.integers(1, 4))
+        at = int(rng.integers(6, 25))
+        directory = root / f"trial{i}"
+        directory.mkdir()
+        passed, lost, seconds, why = trial(directory, victim, at, expected)
+        out.append({"victim": victim, "at": at, "passed": passed, "lost": lost, "s": seconds})
+        sec = "-" if seconds is None else f"{seconds:.1f} s"
+        print(
+            f"  trial {i}: process {victim} killed at step {at}: {'ok' if passed else why}, {sec}"
+        )
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--coordinator", action="store_true", help="kill process 0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    costs = cost(args.rounds, args.steps)
+    print(f"the survivors' copy on the bench MLP, 8 CPU devices, median of {args.rounds} rounds:")
+    for backend in BACKENDS:
+        row = costs[backend]
+        ms = "  ".join(f"{k} {v:.3f} ms" for k, v in row["ms"].items())
+        print(f"  {backend:9s} {ms}   ratio kept/donating {row['ratio']:.3f}")
+    mib = costs["state_bytes"] / 2**20
+    print(
+        f"  memory: the state is {mib:.1f} MiB per device; the loop holds at most "
+        f"{_standby._KEPT} states (the newest completed one and two in flight), "
+        f"{_standby._KEPT - 1} more than a donating step"
+    )
+    results = trials(args.trials, args.coordinator, args.seed) if args.trials else []
+    if results:
+        seconds = [r["s"] for r in results if r["s"] is not None]
+        passed = sum(r["passed"] for r in results)
+        lost = sum(r["lost"] or 0 for r in results)
+        print(
+            f"killed trials: {passed}/{len(results)} passed, {lost} steps lost; kill -> next "
+            f"step's row: median {statistics.median(seconds):.1f} s, max {max(seconds):.1f} s"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cost": costs, "trials": results}, f)
+
+
+if __name__ == "__main__":
+    main()
