@@ -97,7 +97,10 @@ def fit(
         called ``jdp.distributed.initialize()``, SIGTERM (preemption) makes
         fit save the last completed step (every process agrees on it within
         4 steps) and exit with code 75, "run me again" (``jdp.launch
-        --max-restarts``, SLURM ``--requeue``).
+        --max-restarts``, SLURM ``--requeue``). With its ``local_directory``,
+        fit keeps the newest completed step for the processes left after a
+        failure to write out, and resumes from such a copy when it is newer
+        than the latest checkpoint (``docs/checkpointing.md``).
       on_epoch_end: called as ``on_epoch_end(epoch, state)`` after the step
         that completes an epoch (for iterators with ``is_new_epoch`` and
         ``epoch``, like Chainer's ``auto_new_epoch``); may return a new state.

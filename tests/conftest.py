@@ -26,6 +26,7 @@ LONGEST_FIRST = (
     "test_zero1.py",
     "test_verify.py",
     "test_pace.py",
+    "test_survivors.py",
     "test_step.py",
     "test_notebooks.py",
     "test_audit.py",

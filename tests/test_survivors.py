@@ -17,6 +17,7 @@ import pytest
 
 import jdp
 from jdp import _standby
+from jdp.launch import _left
 from tests import models
 from tests.test_restarts import STEPS, assert_bitwise, env, launched, read_order, run
 
@@ -203,3 +204,11 @@ def reference(tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return np.load(directory / "final.npz")
+
+
+@pytest.mark.parametrize(
+    ("processes", "running", "lost", "left"),
+    [(4, 4, 1, 2), (4, 4, 3, 1), (8, 8, 1, 4), (6, 6, 1, 3), (4, 2, 1, 1), (4, 4, 0, 4)],
+)
+def test_an_elastic_restart_runs_on_the_largest_divisor_left(processes, running, lost, left):
+    assert _left(processes, running, lost) == left
