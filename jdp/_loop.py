@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 import numpy as np
 
-from jdp import _standby, _tree, _watchdog
+from jdp import _standby, _standby_restore, _tree, _watchdog
 from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
@@ -236,7 +236,7 @@ def _start(
     latest = None if checkpointer is None else checkpointer.latest_step()
     if standby is not None or latest is not None:
         ledger.enter("restore")
-    kept = None if standby is None else _standby.restore(standby.folder, state, latest)
+    kept = None if standby is None else _standby_restore.restore(standby.folder, state, latest)
     if kept is not None:
         state, history = _resumed(*kept, train_data, "the survivors' copy")
     elif checkpointer is not None and latest is not None:
@@ -359,7 +359,6 @@ def _standby_for(
             "jdp.shard_map(..., donate_state=False)); it costs one more copy of the state "
             "per device."
         )
-    _standby.check_state(state)
     folder = _standby.run_folder(checkpointer.local_directory, checkpointer.directory)
     return _standby.Standby(folder, jax.process_index())
 

@@ -28,8 +28,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jdp import _layout, distributed
-from jdp._replication import place_like, replicate
+from jdp import _layout, _peer_rows, distributed
 from jdp._tree import PyTree, is_prng_key
 
 _KEPT = 3  # states held at most: the newest completed one and the steps in flight
@@ -46,7 +45,7 @@ class Standby:
 
     def __init__(self, folder: pathlib.Path, index: int):
         self.folder, self.index = folder, index
-        self._kept: collections.deque[tuple[int, PyTree, Any]] = collections.deque()
+        self._kept: collections.deque[tuple[int, PyTree, Any, Any]] = collections.deque()
         self._history: Any = None
         self._lock = threading.Lock()
         self.written: int | None = None
@@ -56,16 +55,21 @@ class Standby:
 
         At most ``_KEPT`` are held: past that, this waits for the oldest but
         one to complete, so dispatch runs at most two steps ahead of the device.
+        Rows a strategy split over the processes are copied to the previous
+        process too (one collective), so no single process holds the only copy.
         """
+        copies = _copies(state)
         with self._lock:
-            self._kept.append((step, state, position))
+            self._kept.append((step, state, copies, position))
             self._history = history
-            while len(self._kept) > 1 and _done(self._kept[1][1]):
+            while len(self._kept) > 1 and _settled(self._kept[1]) is True:
                 self._kept.popleft()
         if len(self._kept) > _KEPT:
-            jax.block_until_ready(self._kept[1][1])
+            with contextlib.suppress(Exception):  # a failed step: fit reports it
+                jax.block_until_ready(self._kept[1][1:3])
             with self._lock:
-                self._kept.popleft()
+                if _settled(self._kept[1]) is True:
+                    self._kept.popleft()
 
     def write(self) -> int | None:
         """Writes the newest completed step held to this run's folder; returns it (None: none).
@@ -76,14 +80,15 @@ class Standby:
         """
         with self._lock:
             kept, history = list(self._kept), self._history
-        for step, state, position in reversed(kept):
+        for step, state, copies, position in reversed(kept):
             if self.written is not None and step <= self.written:
                 return self.written
-            host = _host_copy(state)
+            host = _host_copy(state, copies)
             if host is None:
                 continue
+            arrays, leaves = host
             meta = {"step": step, "data": position, "history": _history_until(history, step)}
-            _write(self.folder, f"{step}.{self.index}", host, meta)
+            _write(self.folder, f"{step}.{self.index}", arrays, meta | {"leaves": leaves})
             self.written = step
             return step
         return None
@@ -154,73 +159,30 @@ def run_folder(local_directory: pathlib.Path, checkpoint_directory: pathlib.Path
     return folder
 
 
-def restore(
-    folder: pathlib.Path, template: PyTree, newer_than: int | None
-) -> tuple[PyTree, dict[str, Any]] | None:
-    """The newest copy any process holds, if newer than ``newer_than``: ``(state, meta)`` or None.
-
-    Every process says which step it holds (one small collective); the first
-    process holding the newest sends it to all, placed like ``template``.
-    """
-    held = newest(folder)
-    steps = _gather(-1 if held is None else held[0])
-    best = max(steps)
-    if best < 0 or (newer_than is not None and best <= newer_than):
-        return None
-    source = steps.index(best)
-    mine = source == jax.process_index()
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    if mine and held is not None:  # the source holds the step it announced
-        values, meta_bytes = _read(held[1], len(leaves))
-    else:
-        values, meta_bytes = [_zeros_like_logical(x) for x in leaves], np.zeros(0, np.uint8)
-    values = _broadcast(values, mine)
-    meta = json.loads(bytes(_broadcast_bytes(meta_bytes, mine)).decode())
-    logical = [_rewrap(x, v) for x, v in zip(leaves, values, strict=True)]
-    state = _place(template, jax.tree_util.tree_unflatten(treedef, logical))
-    if jax.process_index() == 0:
-        disk = "none" if newer_than is None else str(newer_than)
-        sys.stderr.write(
-            f"[jdp] resuming at step {best} from the survivors' copy, read by process "
-            f"{source} (the newest checkpoint on disk: {disk})\n"
-        )
-        sys.stderr.flush()
-    return state, meta
-
-
-def newest(folder: pathlib.Path) -> tuple[int, pathlib.Path] | None:
-    """The newest complete copy in ``folder`` (any process's): ``(step, path)``."""
-    found = []
-    for path in folder.glob("*.npz"):
-        step, _, _ = path.stem.partition(".")
-        if step.isdigit():
-            found.append((int(step), path))
-    return max(found) if found else None
-
-
-def check_state(state: PyTree) -> None:
-    """Refuses a state a strategy split over the processes (no process holds all of it)."""
-    if _layout.has_per_replica(state):
-        raise ValueError(
-            "jdp.fit: Checkpointer(local_directory=...) keeps the survivors' copy of the "
-            "state, but this state's strategy splits it across the replicas (zero1, fsdp), "
-            "so no process holds all of it. Train with data_parallel() or exact(), or drop "
-            "local_directory to resume from the disk checkpoints."
-        )
-
-
 def _ready(state: PyTree) -> bool:
     arrays = [_data(x) for x in jax.tree.leaves(state)]
     return all(x.is_ready() for x in arrays if isinstance(x, jax.Array))  # type: ignore[attr-defined]
 
 
-def _done(state: PyTree) -> bool:
-    """Whether the step that made ``state`` finished (its outputs complete together)."""
+def _settled(entry: tuple) -> bool | None:
+    """Whether the step (and the copy of its rows) that made a held state completed: True; it
+    failed: False; it runs: None. Outputs of one computation complete together."""
+    firsts = [_first_array(entry[1])] + [c for c in entry[2] if c is not None][:1]
+    if not all(x is None or x.is_ready() for x in firsts):
+        return None
+    try:  # ready: returns at once, or raises the computation's error
+        jax.block_until_ready([x for x in firsts if x is not None])
+    except Exception:
+        return False
+    return True
+
+
+def _first_array(state: PyTree) -> jax.Array | None:
     for x in jax.tree.leaves(state):
         x = _data(x)
         if isinstance(x, jax.Array):
-            return x.is_ready()  # type: ignore[attr-defined]
-    return True
+            return x
+    return None
 
 
 def _data(x: Any) -> Any:
@@ -228,16 +190,42 @@ def _data(x: Any) -> Any:
     return jax.random.key_data(x) if isinstance(x, jax.Array) and is_prng_key(x) else x
 
 
-def _host_copy(state: PyTree) -> list[np.ndarray] | None:
-    """This process's copy of each leaf on the host, None if a leaf is not complete.
+def _copies(state: PyTree) -> list[jax.Array | None]:
+    """Per leaf, the next process's rows of a split leaf (None: not split, or one process)."""
+    split = _layout.per_replica_leaves(state)
+    leaves = jax.tree.leaves(state)
+    if not any(split) or jax.process_count() == 1:
+        return [None] * len(leaves)
+    moved = iter(_peer_rows.next_rows([x for x, s in zip(leaves, split, strict=True) if s]))
+    return [next(moved) if s else None for s in split]
 
-    Read from a device buffer, with no computation dispatched: a failing
-    process's devices may be blocked in the step that never completes.
+
+def _host_copy(state: PyTree, copies: list[jax.Array | None]):
+    """This process's copy of each leaf on the host: ``(arrays, leaf descriptions)``.
+
+    None if a leaf is not complete. Read from device buffers, with no
+    computation dispatched: a failing process's devices may be blocked in the
+    step that never completes. A split leaf gives the rows this process holds.
     """
+    split = _layout.per_replica_leaves(state)
+    leaves = jax.tree.leaves(state)
     try:
-        if not _ready(state):
+        if not _ready((leaves, [c for c in copies if c is not None])):
             return None
-        return [_read_replica(x) for x in jax.tree.leaves(state)]
+        arrays: dict[str, np.ndarray] = {}
+        described: list[dict[str, Any]] = []
+        for i, (x, is_split, copy) in enumerate(zip(leaves, split, copies, strict=True)):
+            if not is_split:
+                arrays[f"leaf{i}"] = value = _read_replica(x)
+                described.append({"shape": list(value.shape), "dtype": str(value.dtype)})
+                continue
+            rows = _peer_rows.held(x, copy)
+            arrays[f"index{i}"] = np.asarray(sorted(rows), np.int64)
+            arrays[f"rows{i}"] = np.stack([rows[r] for r in sorted(rows)])
+            row = arrays[f"rows{i}"].shape[1:]
+            n = _peer_rows.row_count(x)
+            described.append({"rows": n, "shape": list(row), "dtype": str(x.dtype)})
+        return arrays, described
     except Exception:  # a step that failed: its outputs hold an error, not a state
         return None
 
@@ -263,13 +251,13 @@ def _history_until(history: Any, step: int) -> dict[str, Any] | None:
     }
 
 
-def _write(folder: pathlib.Path, name: str, host: list[np.ndarray], meta: dict) -> None:
+def _write(folder: pathlib.Path, name: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
     """``folder/name.npz``, whole or not at all (written aside, then renamed)."""
     text = json.dumps(meta, default=_jsonable).encode()
     temporary = folder / f".{name}.tmp.npz"
     with open(temporary, "wb") as f:
-        arrays: Any = {f"leaf{i}": v for i, v in enumerate(host)}
-        np.savez(f, meta=np.frombuffer(text, np.uint8), **arrays)
+        named: Any = arrays
+        np.savez(f, meta=np.frombuffer(text, np.uint8), **named)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, folder / f"{name}.npz")
@@ -279,54 +267,6 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic | np.ndarray):
         return value.tolist()
     raise TypeError(f"not JSON: {type(value).__name__}")
-
-
-def _read(path: pathlib.Path, count: int) -> tuple[list[np.ndarray], np.ndarray]:
-    with np.load(path) as saved:
-        return [saved[f"leaf{i}"] for i in range(count)], saved["meta"]
-
-
-def _zeros_like_logical(x: Any) -> np.ndarray:
-    x = _data(x)
-    layout = _layout.layout_of_leaf(x) if isinstance(x, jax.Array) else None
-    shape = np.shape(x)[1:] if layout is _layout.LEADING_AXIS else np.shape(x)
-    return np.zeros(shape, np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype)
-
-
-def _rewrap(template: Any, value: np.ndarray) -> Any:
-    if isinstance(template, jax.Array) and is_prng_key(template):
-        return jax.random.wrap_key_data(
-            jax.numpy.asarray(value), impl=jax.random.key_impl(template)
-        )
-    return value
-
-
-def _place(template: PyTree, value: PyTree) -> PyTree:
-    if _layout.layout_of(template) is None:
-        return _layout.place_like(template, value, replicate)
-    return place_like(template, value)
-
-
-def _gather(step: int) -> list[int]:
-    if jax.process_count() == 1:
-        return [step]
-    return [int(s) for s in np.asarray(multihost_utils.process_allgather(np.int64(step)))]
-
-
-def _broadcast(values: list[np.ndarray], mine: bool) -> list[np.ndarray]:
-    if jax.process_count() == 1:
-        return values
-    return [np.asarray(v) for v in multihost_utils.broadcast_one_to_all(values, is_source=mine)]
-
-
-def _broadcast_bytes(data: np.ndarray, mine: bool) -> np.ndarray:
-    if jax.process_count() == 1:
-        return data
-    size = int(
-        np.asarray(multihost_utils.broadcast_one_to_all(np.int64(data.size), is_source=mine))
-    )
-    padded = data if mine else np.zeros(size, np.uint8)
-    return np.asarray(multihost_utils.broadcast_one_to_all(padded, is_source=mine))
 
 
 def _owner(folder: pathlib.Path) -> str | None:

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jdp
-from jdp import _standby
+from jdp import _standby, _standby_restore
 from jdp.launch import _left
 from tests import models
 from tests.test_restarts import STEPS, assert_bitwise, env, launched, read_order, run
@@ -24,10 +24,12 @@ from tests.test_restarts import STEPS, assert_bitwise, env, launched, read_order
 DATA = models.regression_batch(96, seed=5)
 
 
-def fit(directory, num_steps, callbacks=(), donate=False, local=True, state=None):
-    step = jdp.pmap(jdp.make_train_step(models.mlp_loss), donate_state=None if donate else False)
-    if state is None:
-        state = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
+def fit(
+    directory, num_steps, callbacks=(), donate=False, local=True, strategy=None, backend="pmap"
+):
+    train_step = jdp.make_train_step(models.mlp_loss, strategy=strategy)
+    step = models.backend(backend, train_step, 8, donate_state=None if donate else False)
+    state = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
     local_directory = directory / "local" if local else None
     with jdp.Checkpointer(directory / "ckpt", local_directory=local_directory) as ckpt:
         return jdp.fit(
@@ -66,7 +68,7 @@ def test_a_failed_fit_resumes_from_the_kept_step_not_the_checkpoint(tmp_path):
         fit(tmp_path, 20, callbacks=[fail_at(8)])
     # The row of step 8 is read after step 9 is dispatched: step 8 is the newest the
     # loop held when it failed, kept instead of checkpoint 5.
-    assert _standby.newest(next((tmp_path / "local").iterdir()))[0] == 8
+    assert _standby_restore.newest(next((tmp_path / "local").iterdir())) == 8
     state, history = fit(tmp_path, 20)
     assert history.resumed_at == [8]
     assert [row["step"] for row in history.train] == list(range(1, 21))
@@ -106,14 +108,16 @@ def test_a_step_that_donates_its_state_is_refused_with_the_fix(tmp_path):
     assert str(info.value).startswith("jdp.fit: Checkpointer(local_directory=...) keeps")
 
 
-def test_a_split_state_is_refused_by_name(tmp_path):
-    step = jdp.pmap(
-        jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1()), donate_state=False
-    )
-    state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2)))
-    ckpt = jdp.Checkpointer(tmp_path / "ckpt", local_directory=tmp_path / "local")
-    with pytest.raises(ValueError, match=r"splits it across the replicas \(zero1, fsdp\)"):
-        jdp.fit(step, state, jdp.BatchIterator(DATA, 16), num_steps=2, checkpointer=ckpt)
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_a_split_state_resumes_from_its_rows(tmp_path, strategy, backend):
+    split = getattr(jdp.strategies, strategy)()
+    reference, _ = fit(tmp_path / "reference", 12, strategy=split, backend=backend)
+    with pytest.raises(RuntimeError, match="failed at step 7"):
+        fit(tmp_path, 12, callbacks=[fail_at(7)], strategy=split, backend=backend)
+    state, history = fit(tmp_path, 12, strategy=split, backend=backend)
+    assert history.resumed_at == [7]
+    for got, expected in zip(leaves(state), leaves(reference), strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_a_local_directory_that_is_not_a_path_is_a_type_error(tmp_path):
@@ -124,10 +128,14 @@ def test_a_local_directory_that_is_not_a_path_is_a_type_error(tmp_path):
 def test_the_host_copy_reads_keys_and_both_layouts(tmp_path):
     state = {"w": jnp.arange(6.0).reshape(2, 3), "key": jax.random.key(4)}
     for placed in (jdp.replicate(state), jdp.shard_map(lambda s, b: (s, {})).replicate(state)):
-        host = _standby._host_copy(placed)
+        host = _standby._host_copy(placed, [None, None])
         assert host is not None
-        np.testing.assert_array_equal(host[1], np.asarray(state["w"]))
-        np.testing.assert_array_equal(host[0], np.asarray(jax.random.key_data(state["key"])))
+        arrays, described = host
+        np.testing.assert_array_equal(arrays["leaf1"], np.asarray(state["w"]))
+        np.testing.assert_array_equal(
+            arrays["leaf0"], np.asarray(jax.random.key_data(state["key"]))
+        )
+        assert described[1] == {"shape": [2, 3], "dtype": "float32"}
 
 
 KEPT = re.compile(r"\[(\d)\] \[jdp\] process \d kept step (\d+)")
@@ -167,12 +175,14 @@ def test_a_killed_process_costs_no_completed_step_and_no_bit(tmp_path, victim, r
     assert_bitwise(tmp_path, reference)
 
 
-def test_the_ordinary_step_continues_from_the_kept_step_with_the_same_samples(tmp_path):
-    """data_parallel, 2 x 2, the same layout after the restart: every position is trained on
-    the same examples as without the kill, and the state agrees (rtol 1e-6)."""
+@pytest.mark.parametrize("strategy", ["data_parallel", "zero1", "fsdp"])
+def test_the_ordinary_step_continues_from_the_kept_step_with_the_same_samples(tmp_path, strategy):
+    """2 x 2, the same layout after the restart: every position is trained on the same
+    examples as without the kill, and the state agrees (rtol 1e-6). Under zero1 and fsdp
+    the dead process's rows come from the copy the other process held."""
     ref_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
     ref_dir.mkdir(), killed_dir.mkdir()
-    record = {"STRATEGY": "data_parallel", "LOCAL": "1"}
+    record = {"STRATEGY": strategy, "LOCAL": "1"}
     result = run(launched(ref_dir, RECORD=str(ref_dir / "ids"), **record))
     assert result.returncode == 0, result.stderr[-3000:]
     result = run(

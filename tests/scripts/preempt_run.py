@@ -3,7 +3,7 @@
 python tests/preempt_run.py DIR STEPS   (alone, or under python -m jdp.launch)
 
 Trains an MLP in exact mode (the same bits on any layout; another strategy
-with $STRATEGY=data_parallel or fsdp) with fit, saving to
+with $STRATEGY=data_parallel, zero1 or fsdp) with fit, saving to
 DIR/ckpt every 5 steps and resuming from it; prints "step N" after every step
 (slowly, so a test can send a signal mid-run) and writes the final params to
 DIR/final.npz. Each process writes its pid to DIR/pid-<index>. With
@@ -36,6 +36,7 @@ from tests import models  # noqa: E402
 STRATEGIES = {
     "exact": lambda: jdp.strategies.exact(8),
     "data_parallel": jdp.strategies.data_parallel,
+    "zero1": jdp.strategies.zero1,
     "fsdp": jdp.strategies.fsdp,  # the MLP's kernels split 1/n, across the processes
 }
 
