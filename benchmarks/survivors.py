@@ -95,7 +95,7 @@ def cost(rounds, steps):
     return out
 
 
-KEPT = re.compile(r"\[(\d)\] \[jdp\] process \d kept step (\d+)")
+KEPT = re.compile(r"\[jdp\] process (\d) kept step (\d+)")
 
 
 def job(directory, victim, at):

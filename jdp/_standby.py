@@ -7,7 +7,10 @@ the next step runs); when the job fails, each process that is still alive
 writes it to fast local storage on its way out (the fail-fast exit, SIGTERM
 from a launcher or scheduler). The restarted job, on any number of processes,
 resumes from the newest step any process wrote, when it is newer than the disk
-checkpoint: a failure of some processes costs no completed step.
+checkpoint: a failure of some processes costs no completed step. A state that
+``zero1`` or ``fsdp`` splits into rows is covered too: after each step every
+process also takes a copy of the next process's rows (:mod:`jdp._peer_rows`),
+and the restart gathers the rows from the processes that hold them.
 
 A copy belongs to one run: the first ``fit`` on a checkpoint folder writes a
 run id into it, and copies of another run (a folder deleted and started over)
@@ -48,6 +51,7 @@ class Standby:
         self._kept: collections.deque[tuple[int, PyTree, Any, Any]] = collections.deque()
         self._history: Any = None
         self._lock = threading.Lock()
+        self._writing = threading.Lock()  # the SIGTERM thread and the exit path may both write
         self.written: int | None = None
 
     def keep(self, step: int, state: PyTree, position: Any, history: Any) -> None:
@@ -78,6 +82,10 @@ class Standby:
         process, while the main thread may be blocked in a collective: it
         reads only buffers that are complete and runs no computation.
         """
+        with self._writing:
+            return self._write_newest()
+
+    def _write_newest(self) -> int | None:
         with self._lock:
             kept, history = list(self._kept), self._history
         for step, state, copies, position in reversed(kept):

@@ -11,7 +11,8 @@ $FAIL_AT="P:S[,P:S...]", process P raises at step S, once per DIR (a marker
 file remembers it) unless $FAIL_ALWAYS is set; with $KILL_AT="P:S", process P
 kills itself (SIGKILL) at step S, once per DIR. With $LOCAL set, the
 checkpointer keeps the survivors' copy in DIR/local (and the step does not
-donate its state). With $RECORD=PATH each process
+donate its state). $BACKEND=shard_map runs the step under jdp.shard_map (default
+jdp.pmap). With $RECORD=PATH each process
 appends each batch's iterator position and example ids to PATH-<index>. Each process
 appends "STEP TIME" to DIR/steps-<index> as each step's row is read back.
 """
@@ -94,7 +95,8 @@ def main(directory, steps):
     strategy = STRATEGIES[os.environ.get("STRATEGY", "exact")]()
     local = directory / "local" if os.environ.get("LOCAL") else None
     train_step = jdp.make_train_step(models.mlp_loss, strategy=strategy)
-    step = jdp.pmap(train_step, donate_state=False if local else None)
+    wrap = jdp.shard_map if os.environ.get("BACKEND") == "shard_map" else jdp.pmap
+    step = wrap(train_step, donate_state=False if local else None)
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2)))
     examples = models.regression_batch(256, seed=7)
     data = jdp.BatchIterator({**examples, "id": np.arange(256)}, 32, seed=3)
