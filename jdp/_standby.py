@@ -129,12 +129,13 @@ def write_active(timeout: float) -> None:
     """The exit paths' hook: writes the loop's newest completed step, and says so."""
     del timeout  # a host copy of complete buffers: milliseconds, nothing to bound
     for standby in list(_ACTIVE):
+        before = standby.written
         try:
             step = standby.write()
         except Exception as e:  # an exit path must go on: the disk checkpoint remains
             sys.stderr.write(f"[jdp] could not write the survivors' copy: {e!r}\n")
             continue
-        if step is not None:
+        if step is not None and step != before:
             sys.stderr.write(
                 f"[jdp] process {standby.index} kept step {step} in {standby.folder}\n"
             )
@@ -260,14 +261,17 @@ def _history_until(history: Any, step: int) -> dict[str, Any] | None:
 
 
 def _write(folder: pathlib.Path, name: str, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """``folder/name.npz``, whole or not at all (written aside, then renamed)."""
+    """``folder/name.npz``, whole or not at all (written aside, then renamed).
+
+    Not synced to disk: the copy has to outlive this process, not the host
+    (the disk checkpoint is for that), and a sync would make the write lose
+    the race against JAX's exit when process 0 is gone.
+    """
     text = json.dumps(meta, default=_jsonable).encode()
     temporary = folder / f".{name}.tmp.npz"
     with open(temporary, "wb") as f:
         named: Any = arrays
         np.savez(f, meta=np.frombuffer(text, np.uint8), **named)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(temporary, folder / f"{name}.npz")
 
 
