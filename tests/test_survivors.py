@@ -17,9 +17,10 @@ import pytest
 
 import jdp
 from jdp import _standby, _standby_restore
-from jdp.launch import _left
+from jdp.launch import _left, free_port
 from tests import models
-from tests.test_restarts import STEPS, assert_bitwise, env, launched, read_order, run
+from tests.launching import MPIRUN, MPIRUN_ENV, mpirun_command
+from tests.test_restarts import SCRIPT, STEPS, assert_bitwise, env, launched, read_order, run
 
 DATA = models.regression_batch(96, seed=5)
 
@@ -225,3 +226,28 @@ def reference(tmp_path_factory):
 )
 def test_an_elastic_restart_runs_on_the_largest_divisor_left(processes, running, lost, left):
     assert _left(processes, running, lost) == left
+
+
+@pytest.mark.parametrize("launcher", [MPIRUN])
+def test_under_mpirun_the_rerun_resumes_from_what_the_survivor_kept(tmp_path, launcher, reference):
+    """mpirun ends the job when a rank dies; the rank left writes its copy on the SIGTERM
+    mpirun sends, and the job run again resumes from it, bitwise."""
+    del launcher
+    names = ["PYTHONPATH", "JDP_CPU_DEVICES_PER_PROCESS", "JAX_COORDINATOR_PORT", "LOCAL"]
+    names += ["KILL_AT"]
+
+    def mpirun():
+        cmd = mpirun_command(SCRIPT, str(tmp_path), str(STEPS), exported=names)
+        environ = env(JDP_CPU_DEVICES_PER_PROCESS="2", LOCAL="1", KILL_AT="1:13", **MPIRUN_ENV)
+        environ["JAX_COORDINATOR_PORT"] = str(free_port())
+        return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=300)
+
+    killed = mpirun()
+    assert killed.returncode != 0
+    kept = {int(s) for _, s in KEPT.findall(killed.stdout + killed.stderr)}
+    assert len(kept) == 1 and min(kept) >= 13, (killed.stderr[-3000:], kept)
+    (step,) = kept
+    again = mpirun()
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"[jdp] resuming at step {step} from the survivors' copy" in again.stderr
+    assert_bitwise(tmp_path, reference)
