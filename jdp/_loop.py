@@ -356,8 +356,8 @@ def _standby_for(
             "jdp.fit: Checkpointer(local_directory=...) keeps the newest completed step while "
             "the next one runs, but train_step donates its input state to the next one. Wrap "
             "the step with donate_state=False (jdp.pmap(..., donate_state=False) or "
-            "jdp.shard_map(..., donate_state=False)); it costs one more copy of the state "
-            "per device."
+            "jdp.shard_map(..., donate_state=False)); fit then holds up to two more copies of "
+            "the state per device."
         )
     folder = _standby.run_folder(checkpointer.local_directory, checkpointer.directory)
     return _standby.Standby(folder, jax.process_index())

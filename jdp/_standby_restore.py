@@ -76,9 +76,19 @@ def _held(folder: pathlib.Path) -> dict[int, list[pathlib.Path]]:
     found: dict[int, list[pathlib.Path]] = {}
     for path in sorted(folder.glob("*.npz")):
         step, _, _ = path.stem.partition(".")
-        if step.isdigit():
+        if step.isdigit() and _readable(path):
             found.setdefault(int(step), []).append(path)
     return found
+
+
+def _readable(path: pathlib.Path) -> bool:
+    """Whether the file opens as a copy (a damaged one is skipped here, not on one process
+    in the middle of the collectives that follow)."""
+    try:
+        with np.load(path) as copy:
+            return "meta" in copy.files
+    except Exception:
+        return False
 
 
 def _values(copies: list[dict], described: list[dict], mine: bool) -> list[np.ndarray] | str:
@@ -87,10 +97,7 @@ def _values(copies: list[dict], described: list[dict], mine: bool) -> list[np.nd
     A string says what is missing. Every process runs the same collectives.
     """
     whole = [i for i, d in enumerate(described) if "rows" not in d]
-    sent = [
-        copies[0][f"leaf{i}"] if mine else np.zeros(d["shape"], jnp.dtype(d["dtype"]))
-        for i, d in ((i, described[i]) for i in whole)
-    ]
+    sent = [copies[0][f"leaf{i}"] if mine else _zeros(described[i]) for i in whole]
     values: dict[int, np.ndarray] = dict(zip(whole, _broadcast(sent, mine), strict=True))
     for i, d in enumerate(described):
         if "rows" in d:
@@ -99,6 +106,10 @@ def _values(copies: list[dict], described: list[dict], mine: bool) -> list[np.nd
                 return f"rows of its leaf {i} are on no process left"
             values[i] = rows
     return [values[i] for i in range(len(described))]
+
+
+def _zeros(described: dict) -> np.ndarray:
+    return np.zeros(described["shape"], jnp.dtype(described["dtype"]))
 
 
 def _all_rows(copies: list[dict], i: int, d: dict) -> np.ndarray | None:
@@ -145,7 +156,7 @@ def _not_used(step: int, why: str) -> None:
         f"jdp.fit: the survivors' copy of step {step} is not used ({why}); resuming from "
         "the disk checkpoint.",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

@@ -153,7 +153,7 @@ def _watch(procs: list[subprocess.Popen], timeout: float) -> tuple[int, str | No
     finished_at = None
     exited = threading.Event()
     for p in procs:  # a process's exit wakes the loop at once: the others are told in ms
-        threading.Thread(target=lambda p=p: (p.wait(), exited.set()), daemon=True).start()
+        threading.Thread(target=_set_on_exit, args=(p, exited), daemon=True).start()
     while [p.poll() for p in procs].count(None):  # poll every process, every time
         failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
         if failed:
@@ -175,6 +175,11 @@ def _watch(procs: list[subprocess.Popen], timeout: float) -> tuple[int, str | No
         exited.wait(0.05)
         exited.clear()
     return next((p.returncode for p in procs if p.returncode != 0), 0), None, 0
+
+
+def _set_on_exit(proc: subprocess.Popen, event: threading.Event) -> None:
+    proc.wait()
+    event.set()
 
 
 def launch(
