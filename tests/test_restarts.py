@@ -280,10 +280,16 @@ def test_the_ordinary_step_resumes_the_same_samples_in_the_same_order(tmp_path):
     proc.communicate(timeout=120)
     again = run(launched(killed_dir, STRATEGY="data_parallel", RECORD=str(killed_dir / "ids")))
     assert again.returncode == 0, again.stderr[-3000:]
-    expected, got = read_order(ref_dir / "ids", 2), read_order(killed_dir / "ids", 2)
+    assert_same_samples_and_close(ref_dir, killed_dir)
+
+
+def assert_same_samples_and_close(ref_dir, run_dir):
+    """Every batch position up to STEPS was trained on the same examples in both runs (their
+    $RECORD logs, 2 processes), and the final states agree to rtol 1e-6."""
+    expected, got = read_order(ref_dir / "ids", 2), read_order(run_dir / "ids", 2)
     trained = {key: ids for key, ids in expected.items() if key[1] <= STEPS}
     assert {key: got[key] for key in trained} == trained
-    reference, final = np.load(ref_dir / "final.npz"), np.load(killed_dir / "final.npz")
+    reference, final = np.load(ref_dir / "final.npz"), np.load(run_dir / "final.npz")
     for name in reference.files:
         np.testing.assert_allclose(final[name], reference[name], rtol=1e-6, err_msg=name)
 

@@ -20,7 +20,15 @@ from jdp import _standby, _standby_restore
 from jdp.launch import _left, free_port
 from tests import models
 from tests.launching import MPIRUN, MPIRUN_ENV, mpirun_command
-from tests.test_restarts import SCRIPT, STEPS, assert_bitwise, env, launched, read_order, run
+from tests.test_restarts import (
+    SCRIPT,
+    STEPS,
+    assert_bitwise,
+    assert_same_samples_and_close,
+    env,
+    launched,
+    run,
+)
 
 DATA = models.regression_batch(96, seed=5)
 
@@ -196,12 +204,7 @@ def test_the_ordinary_step_continues_from_the_kept_step_with_the_same_samples(tm
     (step,) = kept
     assert step >= 13 and step % 5, step  # newer than checkpoint 10
     assert f"[jdp] resuming at step {step} from the survivors' copy" in result.stderr
-    expected, got = read_order(ref_dir / "ids", 2), read_order(killed_dir / "ids", 2)
-    trained = {key: ids for key, ids in expected.items() if key[1] <= STEPS}
-    assert {key: got[key] for key in trained} == trained
-    reference, final = np.load(ref_dir / "final.npz"), np.load(killed_dir / "final.npz")
-    for name in reference.files:
-        np.testing.assert_allclose(final[name], reference[name], rtol=1e-6, err_msg=name)
+    assert_same_samples_and_close(ref_dir, killed_dir)
 
 
 @pytest.fixture(scope="module")
