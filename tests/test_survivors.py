@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import jdp
 from jdp import _standby, _standby_restore
 from jdp.launch import _left, free_port
 from tests import models
-from tests.launching import MPIRUN, MPIRUN_ENV, mpirun_command
+from tests.launching import MPIRUN, MPIRUN_ENV, SRUN, mpirun_command
 from tests.test_restarts import (
     SCRIPT,
     STEPS,
@@ -231,26 +232,31 @@ def test_an_elastic_restart_runs_on_the_largest_divisor_left(processes, running,
     assert _left(processes, running, lost) == left
 
 
-@pytest.mark.parametrize("launcher", [MPIRUN])
-def test_under_mpirun_the_rerun_resumes_from_what_the_survivor_kept(tmp_path, launcher, reference):
-    """mpirun ends the job when a rank dies; the rank left writes its copy on the SIGTERM
-    mpirun sends, and the job run again resumes from it, bitwise."""
-    del launcher
-    names = ["PYTHONPATH", "JDP_CPU_DEVICES_PER_PROCESS", "JAX_COORDINATOR_PORT", "LOCAL"]
-    names += ["KILL_AT"]
+@pytest.mark.parametrize("launcher", [MPIRUN, SRUN])
+def test_under_mpirun_or_srun_the_rerun_resumes_from_what_the_survivor_kept(
+    tmp_path, launcher, reference
+):
+    """mpirun and srun end the job when a rank dies; the rank left writes its copy on the
+    SIGTERM they send, and the job run again resumes from it, bitwise."""
+    extra = {"JDP_CPU_DEVICES_PER_PROCESS": "2", "LOCAL": "1", "KILL_AT": "1:13"}
 
-    def mpirun():
-        cmd = mpirun_command(SCRIPT, str(tmp_path), str(STEPS), exported=names)
-        environ = env(JDP_CPU_DEVICES_PER_PROCESS="2", LOCAL="1", KILL_AT="1:13", **MPIRUN_ENV)
-        environ["JAX_COORDINATOR_PORT"] = str(free_port())
+    def run_job():
+        args = (SCRIPT, str(tmp_path), str(STEPS))
+        if launcher == "srun":
+            cmd = ["srun", "-n", "2", "--kill-on-bad-exit=1", "--label", sys.executable, *args]
+            environ = env(**extra)
+        else:
+            names = ["PYTHONPATH", "JAX_COORDINATOR_PORT", *extra]
+            cmd = mpirun_command(*args, exported=names)
+            environ = env(JAX_COORDINATOR_PORT=str(free_port()), **extra, **MPIRUN_ENV)
         return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=300)
 
-    killed = mpirun()
+    killed = run_job()
     assert killed.returncode != 0
     kept = {int(s) for _, s in KEPT.findall(killed.stdout + killed.stderr)}
     assert len(kept) == 1 and min(kept) >= 13, (killed.stderr[-3000:], kept)
     (step,) = kept
-    again = mpirun()
+    again = run_job()
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"[jdp] resuming at step {step} from the survivors' copy" in again.stderr
     assert_bitwise(tmp_path, reference)
