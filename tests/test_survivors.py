@@ -1,12 +1,13 @@
 """The survivors' copy (Checkpointer(local_directory=...)): a process that dies costs no
 completed step. In one process the exit path's hook is called by hand; the jobs kill a
-process of a 4 x 2 exact-mode job (a random one, fixed seed; process 0 too) and of a 2 x 2
-ordinary job, and restart them under jdp.launch."""
+process of a 4 x 2 exact-mode job (a random one, fixed seed; process 0 too) and of 2 x 2
+jobs under each strategy, restarted by jdp.launch, and rerun a job mpirun or srun ended."""
 
 import itertools
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -100,13 +101,7 @@ def test_copies_of_another_run_in_the_same_folder_are_ignored(tmp_path):
     with pytest.raises(RuntimeError):
         fit(tmp_path, 20, callbacks=[fail_at(8)])
     stale = next((tmp_path / "local").iterdir())
-    for path in (tmp_path / "ckpt").iterdir():  # the user starts over in the same folder
-        if path.is_dir():
-            for item in sorted(path.rglob("*"), reverse=True):
-                item.unlink() if item.is_file() else item.rmdir()
-            path.rmdir()
-        else:
-            path.unlink()
+    shutil.rmtree(tmp_path / "ckpt")  # the user starts over in the same folder
     _, history = fit(tmp_path, 6)
     assert history.resumed_at == []
     assert not stale.exists()
@@ -128,6 +123,21 @@ def test_a_split_state_resumes_from_its_rows(tmp_path, strategy, backend):
     assert history.resumed_at == [7]
     for got, expected in zip(leaves(state), leaves(reference), strict=True):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_copy_missing_rows_is_not_used_and_says_so(tmp_path):
+    with pytest.raises(RuntimeError):
+        fit(tmp_path, 12, callbacks=[fail_at(7)], strategy=jdp.strategies.zero1())
+    (path,) = (tmp_path / "local").rglob("7.0.npz")
+    with np.load(path) as saved:
+        arrays = dict(saved)
+    split = next(name for name in arrays if name.startswith("index"))
+    rows = "rows" + split.removeprefix("index")
+    arrays[split], arrays[rows] = arrays[split][1:], arrays[rows][1:]  # row 0 on no process
+    np.savez(path, **arrays)
+    with pytest.warns(RuntimeWarning, match=r"survivors' copy of step 7 is not used \(rows of"):
+        _, history = fit(tmp_path, 12, strategy=jdp.strategies.zero1())
+    assert history.resumed_at == [5]  # the disk checkpoint
 
 
 def test_a_local_directory_that_is_not_a_path_is_a_type_error(tmp_path):
