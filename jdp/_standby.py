@@ -42,7 +42,7 @@ class Standby:
     """The newest steps ``fit`` ran, kept until a newer one completes.
 
     Args:
-      folder: this run's folder of copies (``local_directory/<run id>``).
+      folder: this run's folder of copies (``local_directory/run-<run id>``).
       index: this process's index, in the copies' file names.
     """
 
@@ -146,7 +146,7 @@ distributed.before_fatal_exit(write_active, first=True)
 
 
 def run_folder(local_directory: pathlib.Path, checkpoint_directory: pathlib.Path) -> pathlib.Path:
-    """``local_directory/<run id>``: the run id is made once per checkpoint folder.
+    """``local_directory/run-<run id>``: the run id is made once per checkpoint folder.
 
     Process 0 creates it; every process reads it after a barrier.
     """
@@ -160,9 +160,9 @@ def run_folder(local_directory: pathlib.Path, checkpoint_directory: pathlib.Path
         multihost_utils.sync_global_devices("jdp standby run id")
     run = marker.read_text().strip()
     for other in local_directory.glob("*"):  # copies of an earlier run into this folder
-        if other.name != run and _owner(other) == str(checkpoint_directory):
+        if other.name != f"run-{run}" and _owner(other) == str(checkpoint_directory):
             _remove_tree(other)
-    folder = local_directory / run
+    folder = local_directory / f"run-{run}"  # never an integer: not a step for Orbax
     folder.mkdir(parents=True, exist_ok=True)
     (folder / ".checkpoints").write_text(str(checkpoint_directory))
     return folder
@@ -174,8 +174,11 @@ def _ready(state: PyTree) -> bool:
 
 
 def _settled(entry: tuple) -> bool | None:
-    """Whether the step (and the copy of its rows) that made a held state completed: True; it
-    failed: False; it runs: None. Outputs of one computation complete together."""
+    """How the step that made a held state ended: True done, False failed, None running.
+
+    The copy of its split rows counts too. The outputs of one computation
+    complete together, so one leaf of each tells.
+    """
     firsts = [_first_array(entry[1])] + [c for c in entry[2] if c is not None][:1]
     if not all(x is None or x.is_ready() for x in firsts):
         return None
@@ -278,7 +281,10 @@ def _write(folder: pathlib.Path, name: str, arrays: dict[str, np.ndarray], meta:
 def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic | np.ndarray):
         return value.tolist()
-    raise TypeError(f"not JSON: {type(value).__name__}")
+    raise TypeError(
+        f"jdp.fit: the survivors' copy cannot write a {type(value).__name__} in its data "
+        "position or history as JSON; give train_data a get_state() of JSON values."
+    )
 
 
 def _owner(folder: pathlib.Path) -> str | None:

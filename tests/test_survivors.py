@@ -36,12 +36,20 @@ DATA = models.regression_batch(96, seed=5)
 
 
 def fit(
-    directory, num_steps, callbacks=(), donate=False, local=True, strategy=None, backend="pmap"
+    directory,
+    num_steps,
+    callbacks=(),
+    donate=False,
+    local=True,
+    strategy=None,
+    backend="pmap",
+    local_directory=None,
 ):
     train_step = jdp.make_train_step(models.mlp_loss, strategy=strategy)
     step = models.backend(backend, train_step, 8, donate_state=None if donate else False)
     state = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
-    local_directory = directory / "local" if local else None
+    if local_directory is None and local:
+        local_directory = directory / "local"
     with jdp.Checkpointer(directory / "ckpt", local_directory=local_directory) as ckpt:
         return jdp.fit(
             step,
@@ -95,6 +103,15 @@ def test_a_copy_older_than_the_checkpoint_is_not_used(tmp_path):
     assert history.resumed_at == []
     _, history = fit(tmp_path, 14)
     assert history.resumed_at == [12]
+
+
+def test_the_checkpoint_folder_itself_can_hold_the_copies(tmp_path):
+    with pytest.raises(RuntimeError):
+        fit(tmp_path, 12, callbacks=[fail_at(7)], local_directory=tmp_path / "ckpt")
+    _, history = fit(tmp_path, 12, local_directory=tmp_path / "ckpt")
+    assert history.resumed_at == [7]
+    with jdp.Checkpointer(tmp_path / "ckpt") as ckpt:
+        assert ckpt.all_steps() == [5, 10, 12]  # the copies' folder is not a step
 
 
 def test_copies_of_another_run_in_the_same_folder_are_ignored(tmp_path):

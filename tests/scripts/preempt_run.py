@@ -11,10 +11,10 @@ $FAIL_AT="P:S[,P:S...]", process P raises at step S, once per DIR (a marker
 file remembers it) unless $FAIL_ALWAYS is set; with $KILL_AT="P:S", process P
 kills itself (SIGKILL) at step S, once per DIR. With $LOCAL set, the
 checkpointer keeps the survivors' copy in DIR/local (and the step does not
-donate its state). $BACKEND=shard_map runs the step under jdp.shard_map (default
-jdp.pmap). With $RECORD=PATH each process
-appends each batch's iterator position and example ids to PATH-<index>. Each process
-appends "STEP TIME" to DIR/steps-<index> as each step's row is read back.
+donate its state). $BACKEND=shard_map runs the step under jdp.shard_map
+(default jdp.pmap). With $RECORD=PATH each process appends each batch's
+iterator position and example ids to PATH-<index>. Each process appends
+"STEP TIME" to DIR/steps-<index> as each step's row is read back.
 """
 
 import os
