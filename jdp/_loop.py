@@ -125,6 +125,7 @@ def fit(
     )
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
     standby = _standby_for(train_step, state, checkpointer)
+    train_step = _sending_rows(train_step, state, standby)
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
     # Prefetching reads ahead; carry each batch's iterator position with it
@@ -143,6 +144,7 @@ def fit(
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
             _enter(ledger, "compile" if first else "train", step + 1)
             state, metrics = train_step(state, batch)
+            sent = _standby.next_rows(metrics)
             step, first = step + 1, False
             ledger.enter("train")
             # The last logged step's metrics are read now, while this step runs:
@@ -151,9 +153,10 @@ def fit(
             rows.count(examples, metrics.get("weight"))
             if epoch is not None and on_epoch_end is not None:
                 ledger.enter("hooks")
-                state = _run_hook(on_epoch_end, epoch, state)
+                hooked = _run_hook(on_epoch_end, epoch, state)
+                sent, state = (sent if hooked is state else None), hooked
             if standby is not None:
-                standby.keep(step, state, position, history)
+                standby.keep(step, state, position, history, sent)
             if step % log_every == 0 or step == num_steps:
                 rows.hold(step, metrics, _note_time(ledger, record, step))
             if eval_step is not None and _due(step, num_steps, eval_every):
@@ -361,6 +364,13 @@ def _standby_for(
         )
     folder = _standby.run_folder(checkpointer.local_directory, checkpointer.directory)
     return _standby.Standby(folder, jax.process_index())
+
+
+def _sending_rows(train_step: Runner, state: PyTree, standby) -> Runner:
+    """The step fit runs: under a survivors' copy of a split state, one that sends rows too."""
+    if standby is None or not _standby.sends_rows(state):
+        return train_step
+    return train_step.with_step(_standby.copying(train_step.step))  # type: ignore[arg-type]
 
 
 def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTree, History]:

@@ -1,10 +1,12 @@
 """A split state's rows held twice: each process also holds the next process's rows.
 
 ``zero1`` and ``fsdp`` split leaves into rows, row i on device i of the data
-axis, so no process holds all of them. After each step one collective (a
-``ppermute`` over the data axis) copies every row ``k`` devices back, ``k``
-being the devices per process, so process p also holds process p + 1's rows
-and the loss of any one process loses no row.
+axis, so no process holds all of them. One collective (a ``ppermute`` over
+the data axis) copies every row ``k`` devices back, ``k`` being the devices
+per process, so process p also holds process p + 1's rows and the loss of
+any one process loses no row. :func:`in_step` runs it inside the step that
+makes the rows, so the copy completes with the step; :func:`next_rows` runs
+it on its own, for a state made outside a step.
 """
 
 import functools
@@ -18,6 +20,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 _AXIS = "rows"
 
 
+def in_step(rows: list[jax.Array], axis_name: str) -> list[jax.Array]:
+    """Inside a step: each of this replica's rows, received from ``k`` replicas further along."""
+    return lax.ppermute(rows, axis_name, perm=_pairs(lax.axis_size(axis_name)))
+
+
+def _pairs(n: int) -> list[tuple[int, int]]:
+    """Device j's row goes to device j - k: the previous process holds it."""
+    k = jax.local_device_count()
+    return [(j, (j - k) % n) for j in range(n)]
+
+
 def next_rows(leaves: list[jax.Array]) -> list[jax.Array]:
     """Per split leaf, the rows ``k`` places further along the data axis, on this process's devices.
 
@@ -25,7 +38,7 @@ def next_rows(leaves: list[jax.Array]) -> list[jax.Array]:
     """
     placed = [global_rows(x) for x in leaves]
     mesh = placed[0].sharding.mesh  # type: ignore[attr-defined]
-    return _shift(mesh, jax.local_device_count())(placed)
+    return _shift(mesh)(placed)
 
 
 def global_rows(x: jax.Array) -> jax.Array:
@@ -56,9 +69,8 @@ def _on_rows_axis(x: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=8)
-def _shift(mesh: Mesh, k: int):
-    n = mesh.devices.size
-    pairs = [(j, (j - k) % n) for j in range(n)]  # device j's row goes to device j - k
+def _shift(mesh: Mesh):
+    pairs = _pairs(mesh.devices.size)
     spec = PartitionSpec(_AXIS)
 
     def shift(rows: Any) -> Any:
@@ -79,7 +91,7 @@ def held(x: jax.Array, copy: jax.Array | None) -> dict[int, np.ndarray]:
     if copy is not None:
         n = row_count(x)
         k = jax.local_device_count()
-        for s in copy.addressable_shards:
+        for s in global_rows(copy).addressable_shards:
             rows.setdefault((_index(s) + k) % n, np.array(s.data)[0])
     return rows
 

@@ -8,9 +8,10 @@ writes it to fast local storage on its way out (the fail-fast exit, SIGTERM
 from a launcher or scheduler). The restarted job, on any number of processes,
 resumes from the newest step any process wrote, when it is newer than the disk
 checkpoint: a failure of some processes costs no completed step. A state that
-``zero1`` or ``fsdp`` splits into rows is covered too: after each step every
-process also takes a copy of the next process's rows (:mod:`jdp._peer_rows`),
-and the restart gathers the rows from the processes that hold them.
+``zero1`` or ``fsdp`` splits into rows is covered too: in each step every
+process also receives a copy of the next process's rows (:func:`copying`,
+:mod:`jdp._peer_rows`), and the restart gathers the rows from the processes
+that hold them.
 
 A copy belongs to one run: the first ``fit`` on a checkpoint folder writes a
 run id into it, and copies of another run (a folder deleted and started over)
@@ -32,10 +33,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jdp import _layout, _peer_rows, distributed
+from jdp._steps import TrainStep, wraps
 from jdp._tree import PyTree, is_prng_key
 
 _KEPT = 3  # states held at most: the newest completed one and the steps in flight
 _RUN_FILE = "jdp-run-id"
+_ROWS = "jdp.next_rows"  # the metrics entry of copying()'s step
 
 
 class Standby:
@@ -54,15 +57,18 @@ class Standby:
         self._writing = threading.Lock()  # the SIGTERM thread and the exit path may both write
         self.written: int | None = None
 
-    def keep(self, step: int, state: PyTree, position: Any, history: Any) -> None:
+    def keep(
+        self, step: int, state: PyTree, position: Any, history: Any, rows: list | None = None
+    ) -> None:
         """Holds ``state`` (after ``step``); drops those older than the newest completed one.
 
         At most ``_KEPT`` are held: past that, this waits for the oldest but
         one to complete, so dispatch runs at most two steps ahead of the device.
-        Rows a strategy split over the processes are copied to the previous
-        process too (one collective), so no single process holds the only copy.
+        Rows a strategy split over the processes are held on the previous
+        process too, so no single process holds the only copy: ``rows``, the
+        step's own copy (:func:`next_rows`), or else one collective now.
         """
-        copies = _copies(state)
+        copies = _copies(state) if rows is None else _per_leaf(state, rows)
         with self._lock:
             self._kept.append((step, state, copies, position))
             self._history = history
@@ -200,6 +206,39 @@ def _first_array(state: PyTree) -> jax.Array | None:
 def _data(x: Any) -> Any:
     """A PRNG key's data (its own array: no computation), any other leaf unchanged."""
     return jax.random.key_data(x) if isinstance(x, jax.Array) and is_prng_key(x) else x
+
+
+def copying(step: TrainStep) -> TrainStep:
+    """``step`` that also sends each split row of its new state to the previous process.
+
+    The copy is part of the step, so it completes with the step: a step that
+    completed on a survivor left that survivor the rows of the process after
+    it, even when that process died right after. The rows come back as a
+    metrics entry that :func:`next_rows` takes out.
+    """
+
+    def fn(state: Any, batch: PyTree) -> Any:
+        state, metrics = step(state, batch)
+        leaves = jax.tree.leaves(state)
+        split = [x for x, s in zip(leaves, _layout.per_replica_leaves(state), strict=True) if s]
+        return state, {**metrics, _ROWS: _peer_rows.in_step(split, step.axis_name)}
+
+    return wraps(step)(fn)
+
+
+def next_rows(metrics: dict[str, Any]) -> list[jax.Array] | None:
+    """Takes :func:`copying`'s rows out of a step's metrics (None: the step sends none)."""
+    return metrics.pop(_ROWS, None)
+
+
+def sends_rows(state: PyTree) -> bool:
+    """Whether a step on ``state`` should send rows: a split state over several processes."""
+    return jax.process_count() > 1 and any(_layout.per_replica_leaves(state))
+
+
+def _per_leaf(state: PyTree, rows: list[jax.Array]) -> list[jax.Array | None]:
+    moved = iter(rows)
+    return [next(moved) if s else None for s in _layout.per_replica_leaves(state)]
 
 
 def _copies(state: PyTree) -> list[jax.Array | None]:

@@ -131,3 +131,23 @@ def test_after_the_first_call_a_one_device_step_keeps_every_check_it_needs(backe
     bad = {**models.regression_batch(8, seed=0), "name": "not an array"}
     with pytest.raises(TypeError, match=r"^jdp\.\w+ step: the batch must be a pytree of arrays"):
         step(moved, bad)
+
+
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_with_step_runs_another_step_on_the_same_devices_and_donation(backend):
+    """``with_step`` equals wrapping the other step the same way: bitwise, same devices."""
+    wrap = getattr(jdp, backend)
+    devices = jax.devices()[2:6]
+    first = wrap(jdp.make_train_step(models.mlp_loss), devices=devices, donate_state=False)
+    other = jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.zero1())
+    rebuilt, direct = first.with_step(other), wrap(other, devices=devices, donate_state=False)
+    assert type(rebuilt) is type(direct) and rebuilt.step is other
+    assert not rebuilt.donates_state
+    init = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
+    states = [s.replicate(init) for s in (rebuilt, direct)]
+    for i in range(3):
+        batch = models.regression_batch(32, seed=i)
+        states = [s(x, s.shard(batch))[0] for s, x in zip((rebuilt, direct), states, strict=True)]
+    assert {d for x in jax.tree.leaves(states[0]) for d in x.devices()} == set(devices)
+    for a, b in zip(*(jax.tree.leaves(jdp.unreplicate(s)) for s in states), strict=True):
+        assert np.array_equal(a, b)

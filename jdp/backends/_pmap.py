@@ -58,6 +58,14 @@ class PmapStep(Backend[K]):
         self._per_call_checks = jax.process_count() > 1
         self._build()
 
+    def with_step(self, step: K) -> "PmapStep[K]":
+        return PmapStep(
+            step,
+            axis_name=self.axis_name,
+            donate_state=self.donates_state,
+            devices=None if self._all_devices else self.devices,
+        )
+
     def _replica_devices(self) -> list[jax.Device]:
         return list(jax.devices()) if self._all_devices else self.devices
 

@@ -46,6 +46,8 @@ class Runner(Protocol):
 
     def shard(self, batch: PyTree) -> PyTree: ...
 
+    def with_step(self, step: Any) -> "Runner": ...
+
 
 class Backend(abc.ABC, Generic[K]):
     """The shared part of :class:`jdp.backends.PmapStep` and :class:`jdp.backends.ShardMapStep`.
@@ -87,6 +89,22 @@ class Backend(abc.ABC, Generic[K]):
         self._fn = self._compile(True)
         # Under an outer jit, which takes the options itself (a nested jit cannot).
         self._fn_traced = self._compile(False) if self._has_options else self._fn
+
+    @abc.abstractmethod
+    def with_step(self, step: K) -> "Backend[K]":
+        """The same backend (devices, axis, donation) running another step of the same kind.
+
+        Compiled anew on its first call. ``jdp.fit`` runs the step it is given
+        through this when it adds work to it (the survivors' copy of a split
+        state).
+
+        Example:
+          >>> import jax.numpy as jnp, jdp
+          >>> step = jdp.pmap(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
+          >>> other = step.with_step(jdp.make_train_step(lambda p, b: jnp.mean(b * p)))
+          >>> type(other).__name__, other.donates_state, other.step is step.step
+          ('PmapStep', True, False)
+        """
 
     @abc.abstractmethod
     def _replica_devices(self) -> list[jax.Device]:

@@ -51,6 +51,11 @@ class ShardMapStep(Backend[K]):
         self._setup(step, axis_name, donate_state, mesh.size)
         self._build()
 
+    def with_step(self, step: K) -> "ShardMapStep[K]":
+        return ShardMapStep(
+            step, mesh=self.mesh, axis_name=self.axis_name, donate_state=self.donates_state
+        )
+
     def _replica_devices(self) -> list[jax.Device]:
         return list(self.mesh.devices.flat)
 

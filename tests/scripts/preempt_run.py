@@ -9,7 +9,9 @@ DIR/ckpt every 5 steps and resuming from it; prints "step N" after every step
 DIR/final.npz. Each process writes its pid to DIR/pid-<index>. With
 $FAIL_AT="P:S[,P:S...]", process P raises at step S, once per DIR (a marker
 file remembers it) unless $FAIL_ALWAYS is set; with $KILL_AT="P:S", process P
-kills itself (SIGKILL) at step S, once per DIR. With $LOCAL set, the
+kills itself (SIGKILL) at step S, once per DIR ($KILL_SETTLE seconds after
+its row of step S is read back, so the step after it can complete on every
+process first). With $LOCAL set, the
 checkpointer keeps the survivors' copy in DIR/local (and the step does not
 donate its state). $BACKEND=shard_map runs the step under jdp.shard_map
 (default jdp.pmap). With $RECORD=PATH each process appends each batch's
@@ -55,6 +57,7 @@ def failing_callback(directory):
         for process, step in kills:
             marker = directory / f"killed-{process}-{step}"
             if jax.process_index() == process and row["step"] == step and not marker.exists():
+                time.sleep(float(os.environ.get("KILL_SETTLE", "0")))
                 marker.write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
         for process, step in fails:
