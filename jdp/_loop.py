@@ -128,12 +128,7 @@ def fit(
     train_step = _sending_rows(train_step, state, standby)
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
-    # Prefetching reads ahead; carry each batch's iterator position with it
-    # so hooks and checkpoints see the position of the batch just trained on.
-    batches = prefetch_to_device(
-        _with_position(train_data), shard_fn=lambda item: (train_step.shard(item[0]), item[1])
-    )
-    position = _position(train_data)
+    batches, position = _batches(train_step, train_data)
     preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
     first, ckpt = True, (train_step, checkpointer, record, ledger)
     with _progress_bar(progress) as bar, preemptible, _standby.active(standby):
@@ -151,10 +146,7 @@ def fit(
             # reading them at once would drain the device queue every log_every steps.
             rows.flush()
             rows.count(examples, metrics.get("weight"))
-            if epoch is not None and on_epoch_end is not None:
-                ledger.enter("hooks")
-                hooked = _run_hook(on_epoch_end, epoch, state)
-                sent, state = (sent if hooked is state else None), hooked
+            state, sent = _end_of_epoch(on_epoch_end, epoch, state, sent, ledger)
             if standby is not None:
                 standby.keep(step, state, position, history, sent)
             if step % log_every == 0 or step == num_steps:
@@ -407,6 +399,31 @@ def _resumed(state: PyTree, extra: Any, train_data, where: str) -> tuple[PyTree,
     history = History.from_dict(extra.get("history"))
     history.resumed_at.append(step)
     return state, history
+
+
+def _batches(train_step: Runner, train_data: Iterable[PyTree]) -> tuple[Any, Any]:
+    """``(prefetched (batch, position) pairs, the position before the first)``.
+
+    Prefetching reads ahead; each batch carries its iterator position, so
+    hooks and checkpoints see the position of the batch just trained on.
+    """
+    batches = prefetch_to_device(
+        _with_position(train_data), shard_fn=lambda item: (train_step.shard(item[0]), item[1])
+    )
+    return batches, _position(train_data)
+
+
+def _end_of_epoch(hook, epoch: int | None, state: PyTree, sent, ledger: Ledger):
+    """``(state, rows the step sent)`` after ``on_epoch_end``, at the step that ends an epoch.
+
+    A hook that returns a new state makes the step's rows stale: None, so the
+    survivors' copy takes that state's rows itself.
+    """
+    if epoch is None or hook is None:
+        return state, sent
+    ledger.enter("hooks")
+    hooked = _run_hook(hook, epoch, state)
+    return hooked, (sent if hooked is state else None)
 
 
 def _run_hook(hook, epoch: int, state: PyTree) -> PyTree:

@@ -219,9 +219,7 @@ def copying(step: TrainStep) -> TrainStep:
 
     def fn(state: Any, batch: PyTree) -> Any:
         state, metrics = step(state, batch)
-        leaves = jax.tree.leaves(state)
-        split = [x for x, s in zip(leaves, _layout.per_replica_leaves(state), strict=True) if s]
-        return state, {**metrics, _ROWS: _peer_rows.in_step(split, step.axis_name)}
+        return state, {**metrics, _ROWS: _peer_rows.in_step(_split(state), step.axis_name)}
 
     return wraps(step)(fn)
 
@@ -236,19 +234,23 @@ def sends_rows(state: PyTree) -> bool:
     return jax.process_count() > 1 and any(_layout.per_replica_leaves(state))
 
 
+def _split(state: PyTree) -> list[jax.Array]:
+    """The leaves of ``state`` a strategy split into rows, in flatten order."""
+    leaves = jax.tree.leaves(state)
+    return [x for x, s in zip(leaves, _layout.per_replica_leaves(state), strict=True) if s]
+
+
 def _per_leaf(state: PyTree, rows: list[jax.Array]) -> list[jax.Array | None]:
+    """``rows`` (one per split leaf) spread over every leaf of ``state``; None for the others."""
     moved = iter(rows)
     return [next(moved) if s else None for s in _layout.per_replica_leaves(state)]
 
 
 def _copies(state: PyTree) -> list[jax.Array | None]:
     """Per leaf, the next process's rows of a split leaf (None: not split, or one process)."""
-    split = _layout.per_replica_leaves(state)
-    leaves = jax.tree.leaves(state)
-    if not any(split) or jax.process_count() == 1:
-        return [None] * len(leaves)
-    moved = iter(_peer_rows.next_rows([x for x, s in zip(leaves, split, strict=True) if s]))
-    return [next(moved) if s else None for s in split]
+    if not sends_rows(state):
+        return [None] * len(jax.tree.leaves(state))
+    return _per_leaf(state, _peer_rows.next_rows(_split(state)))
 
 
 def _host_copy(state: PyTree, copies: list[jax.Array | None]):
