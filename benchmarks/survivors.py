@@ -5,7 +5,11 @@ Cost: the bench MLP of benchmarks/run.py (784-512-512-10, Adam, global batch
 
   donating  jdp.make_train_step(loss), the state donated to the next step (reference)
   kept      the same step with donate_state=False, each new state held by the
-            survivors' copy as jdp.fit holds it (Checkpointer(local_directory=...))
+            survivors' copy as jdp.fit holds it (Checkpointer(local_directory=...));
+            under shard_map written into an older state the copy let go of, as
+            jdp.fit does (ShardMapStep.call_into)
+  kept, new buffers
+            (shard_map) the same, each new state in newly allocated buffers
 
 Rounds are interleaved so machine noise hits every variant alike; each
 figure is the median over rounds of the mean step time of ``--steps`` calls;
@@ -48,7 +52,7 @@ import optax  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import run as bench  # noqa: E402
-from jdp import _standby  # noqa: E402
+from jdp import _recycle, _standby  # noqa: E402
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "preempt_run.py")
 STEPS = 30
@@ -56,13 +60,20 @@ BACKENDS = {"pmap": jdp.pmap, "shard_map": jdp.shard_map}
 
 
 class Kept:
-    """A non-donating step whose every new state a Standby holds, as jdp.fit does."""
+    """A non-donating step whose every new state a Standby holds, as jdp.fit does.
 
-    def __init__(self, step, folder):
+    Where the backend recycles (jdp.shard_map), each step writes into the
+    oldest state the Standby let go of, as in jdp.fit.
+    """
+
+    def __init__(self, step, folder, recycle=True):
         self.step, self.standby, self.count = step, _standby.Standby(folder, 0), 0
+        self.run, self.recycle = None, recycle
 
     def __call__(self, state, batch):
-        state, metrics = self.step(state, batch)
+        if self.run is None:
+            self.run = _recycle.Spares(self.step, self.standby if self.recycle else None, state)
+        state, metrics = self.run(state, batch)
         self.count += 1
         self.standby.keep(self.count, state, None, None)
         return state, metrics
@@ -72,10 +83,13 @@ def cost(rounds, steps):
     out = {}
     folder = pathlib.Path(tempfile.mkdtemp())
     for backend, wrap in BACKENDS.items():
+        kept = wrap(jdp.make_train_step(bench.loss_fn), donate_state=False)
         runners = {
             "donating": wrap(jdp.make_train_step(bench.loss_fn)),
-            "kept": Kept(wrap(jdp.make_train_step(bench.loss_fn), donate_state=False), folder),
+            "kept": Kept(kept, folder),
         }
+        if kept.recycles:
+            runners["kept, new buffers"] = Kept(kept.with_step(kept.step), folder, recycle=False)
         states, batches = {}, {}
         for name, runner in runners.items():
             step = runner.step if isinstance(runner, Kept) else runner
@@ -185,8 +199,8 @@ def main():
     mib = costs["state_bytes"] / 2**20
     print(
         f"  memory: the state is {mib:.1f} MiB per device; the loop holds at most "
-        f"{_standby._KEPT} states (the newest completed one and two in flight), "
-        f"{_standby._KEPT - 1} more than a donating step"
+        f"{_standby._KEPT} states (the newest completed one and two in flight) and the "
+        f"buffers the next step writes, {_standby._KEPT} more than a donating step"
     )
     results = trials(args.trials, args.coordinator, args.seed) if args.trials else []
     if results:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 import numpy as np
 
-from jdp import _standby, _standby_restore, _tree, _watchdog
+from jdp import _recycle, _standby, _standby_restore, _tree, _watchdog
 from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
@@ -126,11 +126,12 @@ def fit(
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
     standby = _standby_for(train_step, state, checkpointer)
     train_step = _sending_rows(train_step, state, standby)
+    run = _recycle.Spares(train_step, standby, state)
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
     batches, position = _batches(train_step, train_data)
     preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
-    first, ckpt = True, (train_step, checkpointer, record, ledger)
+    first, ckpt = True, (train_step, checkpointer, record, ledger, run)
     with _progress_bar(progress) as bar, preemptible, _standby.active(standby):
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task, _rules(train_step))
@@ -138,7 +139,7 @@ def fit(
             _enter(ledger, "startup" if first else "data", step + 1)
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
             _enter(ledger, "compile" if first else "train", step + 1)
-            state, metrics = train_step(state, batch)
+            state, metrics = run(state, batch)
             sent = _standby.next_rows(metrics)
             step, first = step + 1, False
             ledger.enter("train")
@@ -146,7 +147,7 @@ def fit(
             # reading them at once would drain the device queue every log_every steps.
             rows.flush()
             rows.count(examples, metrics.get("weight"))
-            state, sent = _end_of_epoch(on_epoch_end, epoch, state, sent, ledger)
+            state, sent = _end_of_epoch(on_epoch_end, epoch, (state, sent), ledger, run)
             if standby is not None:
                 standby.keep(step, state, position, history, sent)
             if step % log_every == 0 or step == num_steps:
@@ -262,7 +263,7 @@ def _evaluate(eval_step, eval_data, state: PyTree, step: int, rows: "_Rows", led
 def _checkpoint(ckpt, step: int, due: bool, state, position, history, rows):
     """Saves when ``due`` or on a preemption every process agrees on, once the audit passed.
 
-    ``ckpt``: ``(train_step, checkpointer, ledger record, ledger)``.
+    ``ckpt``: ``(train_step, checkpointer, ledger record, ledger, the step's spares)``.
     """
     train_step, checkpointer = ckpt[:2]
     preempted = _watchdog.preemption_agreed(step)
@@ -279,7 +280,8 @@ def _checkpoint(ckpt, step: int, due: bool, state, position, history, rows):
 
 def _save(ckpt, step: int, state, position, history: History, rows) -> None:
     """Saves ``step`` with the data position and the history, its ledger as of this save."""
-    _, checkpointer, record, ledger = ckpt
+    _, checkpointer, record, ledger, spares = ckpt
+    spares.protect(state)  # an asynchronous save may still read it
     rows.flush()
     _enter(ledger, "save", step)
     history.time = ledger.totals()
@@ -413,16 +415,19 @@ def _batches(train_step: Runner, train_data: Iterable[PyTree]) -> tuple[Any, Any
     return batches, _position(train_data)
 
 
-def _end_of_epoch(hook, epoch: int | None, state: PyTree, sent, ledger: Ledger):
+def _end_of_epoch(hook, epoch: int | None, stepped, ledger: Ledger, spares):
     """``(state, rows the step sent)`` after ``on_epoch_end``, at the step that ends an epoch.
 
-    A hook that returns a new state makes the step's rows stale: None, so the
-    survivors' copy takes that state's rows itself.
+    ``stepped``: the step's ``(state, rows)``. A hook that returns a new state
+    makes the step's rows stale: None, so the survivors' copy takes that
+    state's rows itself. The hook may keep either state: neither is recycled.
     """
+    state, sent = stepped
     if epoch is None or hook is None:
         return state, sent
     ledger.enter("hooks")
     hooked = _run_hook(hook, epoch, state)
+    spares.protect((state, hooked))
     return hooked, (sent if hooked is state else None)
 
 

@@ -26,6 +26,7 @@ import pathlib
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -56,6 +57,7 @@ class Standby:
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # the SIGTERM thread and the exit path may both write
         self.written: int | None = None
+        self.on_drop: Callable[[PyTree], None] | None = None  # given each state no longer held
 
     def keep(
         self, step: int, state: PyTree, position: Any, history: Any, rows: list | None = None
@@ -73,13 +75,29 @@ class Standby:
             self._kept.append((step, state, copies, position))
             self._history = history
             while len(self._kept) > 1 and _settled(self._kept[1]) is True:
-                self._kept.popleft()
+                self._drop()
         if len(self._kept) > _KEPT:
-            with contextlib.suppress(Exception):  # a failed step: fit reports it
-                jax.block_until_ready(self._kept[1][1:3])
-            with self._lock:
-                if _settled(self._kept[1]) is True:
-                    self._kept.popleft()
+            self.make_room()
+
+    def make_room(self) -> None:
+        """With ``_KEPT`` states held or more, waits for the second oldest and drops the oldest."""
+        if len(self._kept) < _KEPT:
+            return
+        with contextlib.suppress(Exception):  # a failed step: fit reports it
+            jax.block_until_ready(_firsts(self._kept[1]))
+        with self._lock:
+            if _settled(self._kept[1]) is True:
+                self._drop()
+
+    def states(self) -> list[PyTree]:
+        """The states held now."""
+        with self._lock:
+            return [entry[1] for entry in self._kept]
+
+    def _drop(self) -> None:
+        state = self._kept.popleft()[1]
+        if self.on_drop is not None:
+            self.on_drop(state)
 
     def write(self) -> int | None:
         """Writes the newest completed step held to this run's folder; returns it (None: none).
@@ -185,14 +203,20 @@ def _settled(entry: tuple) -> bool | None:
     The copy of its split rows counts too. The outputs of one computation
     complete together, so one leaf of each tells.
     """
-    firsts = [_first_array(entry[1])] + [c for c in entry[2] if c is not None][:1]
-    if not all(x is None or x.is_ready() for x in firsts):
+    firsts = _firsts(entry)
+    if not all(x.is_ready() for x in firsts):  # type: ignore[attr-defined]
         return None
     try:  # ready: returns at once, or raises the computation's error
-        jax.block_until_ready([x for x in firsts if x is not None])
+        jax.block_until_ready(firsts)
     except Exception:
         return False
     return True
+
+
+def _firsts(entry: tuple) -> list[jax.Array]:
+    """An array of the held state and one of its rows' copy: each completes with the rest."""
+    firsts = [_first_array(entry[1])] + [c for c in entry[2] if c is not None][:1]
+    return [x for x in firsts if x is not None]
 
 
 def _first_array(state: PyTree) -> jax.Array | None:

@@ -53,6 +53,7 @@ LAYERS = [
         "jdp._data",
         "jdp._tensorboard",
     ],
+    ["jdp._recycle"],
     ["jdp._loop", "jdp.nnx"],
     ["jdp", "jdp.launch", "jdp.demo", "jdp.verify"],
 ]
