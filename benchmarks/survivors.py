@@ -18,7 +18,8 @@ the state's bytes per device and the copies the loop may hold.
 
 Trials: ``--trials`` jobs of 4 processes x 2 devices in exact mode
 (tests/scripts/preempt_run.py, 30 steps, checkpoints every 5) under
-``jdp.launch --max-restarts 1 --elastic``, each with a random process (1-3;
+``jdp.launch --max-restarts 1 --elastic`` (``--backend``: under jdp.pmap or
+jdp.shard_map, whose fit writes each state into a spare), each with a random process (1-3;
 with ``--coordinator`` 0) SIGKILLed at a random step. A trial passes when the
 survivors kept one step, no older than the killed process's last completed
 one; the restart (on 2 processes) resumed at it and read the next batch
@@ -27,7 +28,7 @@ uninterrupted run's bitwise. Printed: passes, steps lost, and the seconds
 from the kill to the row of the first step after it (median, max).
 
 Usage: python benchmarks/survivors.py [--rounds 7] [--steps 50] [--trials 3]
-       [--coordinator] [--seed 0] [--json out.json]
+       [--coordinator] [--seed 0] [--backend pmap|shard_map] [--json out.json]
 """
 
 import argparse
@@ -112,18 +113,18 @@ def cost(rounds, steps):
 KEPT = re.compile(r"\[jdp\] process (\d) kept step (\d+)")
 
 
-def job(directory, victim, at):
+def job(directory, victim, at, backend):
     cmd = [sys.executable, "-m", "jdp.launch", "--processes", "4", "--devices-per-process", "2"]
     cmd += ["--max-restarts", "1", "--elastic", SCRIPT, str(directory), str(STEPS)]
     environ = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
     environ |= {"PYTHONPATH": str(ROOT), "LOCAL": "1", "KILL_AT": f"{victim}:{at}"}
-    environ |= {"RECORD": str(directory / "ids")}
+    environ |= {"RECORD": str(directory / "ids"), "BACKEND": backend}
     return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=600)
 
 
-def reference(directory):
+def reference(directory, backend):
     environ = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
-    environ |= {"PYTHONPATH": str(ROOT), "JDP_CPU_DEVICES_PER_PROCESS": "4"}
+    environ |= {"PYTHONPATH": str(ROOT), "JDP_CPU_DEVICES_PER_PROCESS": "4", "BACKEND": backend}
     result = subprocess.run(
         [sys.executable, SCRIPT, str(directory), str(STEPS)],
         env=environ,
@@ -136,9 +137,9 @@ def reference(directory):
     return np.load(directory / "final.npz")
 
 
-def trial(directory, victim, at, expected):
+def trial(directory, victim, at, expected, backend):
     """``(passed, steps lost, seconds from the kill to the next step's row, why)``."""
-    result = job(directory, victim, at)
+    result = job(directory, victim, at, backend)
     if result.returncode:
         return False, None, None, f"exit {result.returncode}: {result.stderr[-500:]}"
     kept = {int(s) for _, s in KEPT.findall(result.stderr)}
@@ -161,18 +162,18 @@ def trial(directory, victim, at, expected):
     return passed, lost, seconds, why
 
 
-def trials(count, coordinator, seed):
+def trials(count, coordinator, seed, backend):
     rng = np.random.default_rng(seed)
     root = pathlib.Path(tempfile.mkdtemp())
     (root / "reference").mkdir()
-    expected = reference(root / "reference")
+    expected = reference(root / "reference", backend)
     out = []
     for i in range(count):
         victim = 0 if coordinator else int(rng.integers(1, 4))
         at = int(rng.integers(6, 25))
         directory = root / f"trial{i}"
         directory.mkdir()
-        passed, lost, seconds, why = trial(directory, victim, at, expected)
+        passed, lost, seconds, why = trial(directory, victim, at, expected, backend)
         out.append({"victim": victim, "at": at, "passed": passed, "lost": lost, "s": seconds})
         sec = "-" if seconds is None else f"{seconds:.1f} s"
         print(
@@ -188,6 +189,7 @@ def main():
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--coordinator", action="store_true", help="kill process 0")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=BACKENDS, default="pmap", help="of the trials")
     parser.add_argument("--json")
     args = parser.parse_args()
     costs = cost(args.rounds, args.steps)
@@ -202,7 +204,7 @@ def main():
         f"{_standby._KEPT} states (the newest completed one and two in flight) and the "
         f"buffers the next step writes, {_standby._KEPT} more than a donating step"
     )
-    results = trials(args.trials, args.coordinator, args.seed) if args.trials else []
+    results = trials(args.trials, args.coordinator, args.seed, args.backend) if args.trials else []
     if results:
         seconds = [r["s"] for r in results if r["s"] is not None]
         passed = sum(r["passed"] for r in results)

@@ -1,11 +1,12 @@
 """Spare states: the next step writes its new state into a state nothing reads any more.
 
 The survivors' copy needs a step that keeps its input state
-(``donate_state=False``), and such a step allocates a new state every call:
-1.37x the donating step of the bench MLP under ``jdp.shard_map`` on 8 CPU
-devices. :func:`jdp.fit` instead gives each step (``Backend.call_into``) the
-oldest state the survivors' copy has let go of, donated, and XLA writes the
-new state into its buffers.
+(``donate_state=False``), and such a step allocates a new state every call.
+:func:`jdp.fit` instead gives each step (``Backend.call_into``) the oldest
+state the survivors' copy has let go of, donated, and XLA writes the new
+state into its buffers: no allocation, and memory that stays mapped (on the
+bench MLP under ``jdp.shard_map``, 8 CPU devices, 1.08x the donating step
+against 1.09x with new buffers).
 
 A leaf is donated only when nothing else can hold it: never a leaf of the
 state ``fit`` started from (the caller's), or of a state that ``on_epoch_end``
@@ -80,7 +81,9 @@ class Spares:
         old = self._pool.popleft() if self._pool else None
         olds: list = [None] * len(leaves)
         if old is not None and structure(old) == structure(state):
-            olds = _arrays(old)
+            arrays = _arrays(old)
+            if len(arrays) == len(leaves):  # else a hook put a key where an array was
+                olds = arrays
         return [
             y if y is not None and self._free(y, x) else _blank(x)
             for x, y in zip(leaves, olds, strict=True)

@@ -89,11 +89,6 @@ class Standby:
             if _settled(self._kept[1]) is True:
                 self._drop()
 
-    def states(self) -> list[PyTree]:
-        """The states held now."""
-        with self._lock:
-            return [entry[1] for entry in self._kept]
-
     def _drop(self) -> None:
         state = self._kept.popleft()[1]
         if self.on_drop is not None:
