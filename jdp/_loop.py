@@ -125,14 +125,12 @@ def fit(
     )
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
     standby = _standby_for(train_step, state, checkpointer)
-    train_step = _sending_rows(train_step, state, standby)
-    run = _recycle.Spares(train_step, standby, state)
+    train_step, run = _runs(train_step, state, standby)
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
     batches, position = _batches(train_step, train_data)
-    preemptible = _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
     first, ckpt = True, (train_step, checkpointer, record, ledger, run)
-    with _progress_bar(progress) as bar, preemptible, _standby.active(standby):
+    with _progress_bar(progress) as bar, _preemptible(checkpointer), _standby.active(standby):
         task = bar.add_task("train", total=num_steps, completed=step, status="")
         rows = _Rows(history, callbacks, bar, task, _rules(train_step))
         while step < num_steps:
@@ -165,6 +163,11 @@ def fit(
         standby.remove()
     _watchdog.set_phase("its own code after jdp.fit returned", step)
     return state, history
+
+
+def _preemptible(checkpointer: Checkpointer | None):
+    """A preemption saves and exits where there is a checkpointer to save with."""
+    return _watchdog.preemptible() if checkpointer else contextlib.nullcontext()
 
 
 def _enter(ledger: Ledger, kind: str, step: int) -> None:
@@ -360,11 +363,14 @@ def _standby_for(
     return _standby.Standby(folder, jax.process_index())
 
 
-def _sending_rows(train_step: Runner, state: PyTree, standby) -> Runner:
-    """The step fit runs: under a survivors' copy of a split state, one that sends rows too."""
-    if standby is None or not _standby.sends_rows(state):
-        return train_step
-    return train_step.with_step(_standby.copying(train_step.step))  # type: ignore[arg-type]
+def _runs(train_step: Runner, state: PyTree, standby) -> tuple[Runner, "_recycle.Spares"]:
+    """The step fit runs, and how it calls it (into a spare, where it keeps states).
+
+    Under a survivors' copy of a split state, the step sends rows too.
+    """
+    if standby is not None and _standby.sends_rows(state):
+        train_step = train_step.with_step(_standby.copying(train_step.step))  # type: ignore[arg-type]
+    return train_step, _recycle.Spares(train_step, standby, state)
 
 
 def _resume(checkpointer: Checkpointer, state: PyTree, train_data) -> tuple[PyTree, History]:

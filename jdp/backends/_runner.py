@@ -63,7 +63,6 @@ class Backend(abc.ABC, Generic[K]):
     layout: _layout.Layout
     _per_call_checks: bool = False  # whether _check_call checks anything on every call
     recycles: bool = False  # whether call_into writes the new state into a spare's buffers
-    _fn_into: Callable[[PyTree, PyTree, list[jax.Array]], Any] | None = None
 
     def _setup(self, step: Step, axis_name: str, donate_state: bool | None, size: int) -> None:
         step = as_step(step, self.name, axis_name)
@@ -109,41 +108,15 @@ class Backend(abc.ABC, Generic[K]):
         """
 
     def call_into(self, state: T, batch: PyTree, spare: list[jax.Array]) -> tuple[T, Metrics]:
-        """Runs a training step that keeps its state, writing the new state into ``spare``.
+        """Runs a step that keeps its state, writing the new state into ``spare``'s buffers.
 
-        ``spare`` (arrays shaped and placed like the state's leaves: an older
-        state nothing reads any more) is donated, and XLA writes the outputs
-        into its buffers, so a step with ``donate_state=False`` allocates no
-        new state. ``jdp.fit`` calls it when it keeps states for the
-        survivors' copy (where :attr:`recycles`).
+        Only a backend that :attr:`recycles` can (``jdp.shard_map``; see
+        :meth:`jdp.backends.ShardMapStep.call_into`).
 
         Raises:
-          ValueError: if this backend does not recycle (``recycles``), or
-            its step donates its state already.
-
-        Example:
-          >>> import jax, jax.numpy as jnp, optax, jdp
-          >>> step = jdp.shard_map(
-          ...     jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)), donate_state=False)
-          >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.375)))
-          >>> spare = [jnp.zeros_like(x) for x in jax.tree.leaves(state)]
-          >>> new, _ = step.call_into(state, step.shard(jnp.ones((8, 3))), spare)
-          >>> all(x.is_deleted() for x in spare), float(new.params[0]), float(state.params[0])
-          (True, 0.75, 1.0)
+          ValueError: here, always: this backend does not recycle.
         """
-        if not self.recycles or self._donate:
-            raise ValueError(
-                f"jdp.{self.name}.call_into needs a backend that recycles (recycles=True: "
-                "jdp.shard_map) and a step built with donate_state=False; call the step itself."
-            )
-        if _traced(state):  # an outer jit allocates its outputs: nothing to write into
-            return self._checked_call(state, batch)
-        into = self._fn_into = self._fn_into or self._compile_into()
-        return self._checked_call(state, batch, lambda state, batch: into(state, batch, spare))
-
-    def _compile_into(self) -> Callable[[PyTree, PyTree, list[jax.Array]], Any]:
-        """The jitted step with a third argument, donated and unread (backends that recycle)."""
-        raise NotImplementedError
+        raise ValueError(NO_CALL_INTO.format(name=self.name))
 
     @abc.abstractmethod
     def _replica_devices(self) -> list[jax.Device]:
@@ -348,6 +321,11 @@ def _mapped_by_a_transform(error: Exception, *trees: PyTree) -> bool:
     )
     return bool(tracers) and layout
 
+
+NO_CALL_INTO = (
+    "jdp.{name}.call_into needs a backend that recycles (recycles=True: jdp.shard_map) "
+    "and a step built with donate_state=False; call the step itself."
+)
 
 _CONSUMED = "jdp: this state was consumed by an earlier step call: " + CONSUMED
 

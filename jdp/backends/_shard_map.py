@@ -18,7 +18,7 @@ from jdp.backends._checks import (
     check_state,
     mesh_names,
 )
-from jdp.backends._runner import Backend, Compiled, K, Step
+from jdp.backends._runner import NO_CALL_INTO, Backend, Compiled, K, Metrics, Step, T, _traced
 
 
 class ShardMapStep(Backend[K]):
@@ -39,6 +39,7 @@ class ShardMapStep(Backend[K]):
     # it an older state to write into instead (benchmarks/survivors.py: 1.08x
     # the donating step against 1.09x with new buffers, bench MLP, 8 CPU devices).
     recycles = True
+    _fn_into: Callable[[PyTree, PyTree, list[jax.Array]], Any] | None = None
 
     def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool | None):
         if mesh is None:
@@ -70,15 +71,43 @@ class ShardMapStep(Backend[K]):
             compiler_options=self.step.compiler_options if options else None,
         )
 
-    def _compile_into(self) -> Callable[[PyTree, PyTree, list[jax.Array]], Any]:
-        # keep_unused: an unread argument is otherwise pruned, and its buffers
-        # with it, so nothing would be written into them.
-        return jax.jit(
-            lambda state, batch, spare: self._run(state, batch),
-            donate_argnums=(2,),
-            keep_unused=True,
-            compiler_options=self.step.compiler_options,
-        )
+    def call_into(self, state: T, batch: PyTree, spare: list[jax.Array]) -> tuple[T, Metrics]:
+        """Runs a training step that keeps its state, writing the new state into ``spare``.
+
+        ``spare`` (arrays shaped and placed like the state's array leaves: an
+        older state nothing reads any more) is donated as an argument the step
+        does not read, and XLA writes the outputs into its buffers, so a step
+        with ``donate_state=False`` allocates no new state. ``jdp.fit`` calls
+        it when it keeps states for the survivors' copy.
+
+        Raises:
+          ValueError: if the step donates its state already.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, optax, jdp
+          >>> step = jdp.shard_map(
+          ...     jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)), donate_state=False)
+          >>> state = step.replicate(jdp.TrainState.create(params=jnp.ones(3), tx=optax.sgd(0.375)))
+          >>> spare = [jnp.zeros_like(x) for x in jax.tree.leaves(state)]
+          >>> new, _ = step.call_into(state, step.shard(jnp.ones((8, 3))), spare)
+          >>> all(x.is_deleted() for x in spare), float(new.params[0]), float(state.params[0])
+          (True, 0.75, 1.0)
+        """
+        if self.donates_state:
+            raise ValueError(NO_CALL_INTO.format(name=self.name))
+        if _traced(state):  # an outer jit allocates its outputs: nothing to write into
+            return self._checked_call(state, batch)
+        if self._fn_into is None:
+            # keep_unused: an unread argument is otherwise pruned, and its buffers
+            # with it, so nothing would be written into them.
+            self._fn_into = jax.jit(
+                lambda state, batch, spare: self._run(state, batch),
+                donate_argnums=(2,),
+                keep_unused=True,
+                compiler_options=self.step.compiler_options,
+            )
+        into = self._fn_into
+        return self._checked_call(state, batch, lambda state, batch: into(state, batch, spare))
 
     def _run(self, state: PyTree, batch: PyTree) -> PyTree:
         """Traced once per input structure: the checks, then the mapped step."""
