@@ -52,7 +52,8 @@ class Standby:
 
     def __init__(self, folder: pathlib.Path, index: int):
         self.folder, self.index = folder, index
-        self._kept: collections.deque[tuple[int, PyTree, Any, Any]] = collections.deque()
+        # (step, state, its rows' copies, data position, the arrays that tell it completed)
+        self._kept: collections.deque[tuple[int, PyTree, Any, Any, list]] = collections.deque()
         self._history: Any = None
         self._lock = threading.Lock()
         self._writing = threading.Lock()  # the SIGTERM thread and the exit path may both write
@@ -72,7 +73,7 @@ class Standby:
         """
         copies = _copies(state) if rows is None else _per_leaf(state, rows)
         with self._lock:
-            self._kept.append((step, state, copies, position))
+            self._kept.append((step, state, copies, position, _firsts(state, copies)))
             self._history = history
             while len(self._kept) > 1 and _settled(self._kept[1]) is True:
                 self._drop()
@@ -84,7 +85,8 @@ class Standby:
         if len(self._kept) < _KEPT:
             return
         with contextlib.suppress(Exception):  # a failed step: fit reports it
-            jax.block_until_ready(_firsts(self._kept[1]))
+            for x in self._kept[1][4]:
+                x.block_until_ready()
         with self._lock:
             if _settled(self._kept[1]) is True:
                 self._drop()
@@ -107,7 +109,7 @@ class Standby:
     def _write_newest(self) -> int | None:
         with self._lock:
             kept, history = list(self._kept), self._history
-        for step, state, copies, position in reversed(kept):
+        for step, state, copies, position, _ in reversed(kept):
             if self.written is not None and step <= self.written:
                 return self.written
             host = _host_copy(state, copies)
@@ -195,22 +197,27 @@ def _ready(state: PyTree) -> bool:
 def _settled(entry: tuple) -> bool | None:
     """How the step that made a held state ended: True done, False failed, None running.
 
-    The copy of its split rows counts too. The outputs of one computation
-    complete together, so one leaf of each tells.
+    The copy of its split rows counts too (:func:`_firsts`, kept with the entry).
     """
-    firsts = _firsts(entry)
-    if not all(x.is_ready() for x in firsts):  # type: ignore[attr-defined]
+    firsts = entry[4]
+    if not all(x.is_ready() for x in firsts):
         return None
     try:  # ready: returns at once, or raises the computation's error
-        jax.block_until_ready(firsts)
+        for x in firsts:
+            x.block_until_ready()
     except Exception:
         return False
     return True
 
 
-def _firsts(entry: tuple) -> list[jax.Array]:
-    """An array of the held state and one of its rows' copy: each completes with the rest."""
-    firsts = [_first_array(entry[1])] + [c for c in entry[2] if c is not None][:1]
+def _firsts(state: PyTree, copies: list) -> list[jax.Array]:
+    """An array of ``state`` and one of its rows' copy: each completes with the rest.
+
+    The outputs of one computation complete together, so one leaf of each
+    tells; found once per held state, as a main thread that works between
+    steps competes with the devices' threads for the cores.
+    """
+    firsts = [_first_array(state)] + [c for c in copies if c is not None][:1]
     return [x for x in firsts if x is not None]
 
 

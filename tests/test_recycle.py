@@ -46,7 +46,7 @@ def record_calls(monkeypatch):
 
     def spy(self, state, batch, spare):
         new, metrics = call_into(self, state, batch, spare)
-        calls.append((spare, _recycle._arrays(new)))
+        calls.append((spare, _recycle._Arrays(new).arrays))
         return new, metrics
 
     monkeypatch.setattr(ShardMapStep, "call_into", spy)
@@ -135,7 +135,7 @@ def test_a_leaf_a_step_returns_unchanged_is_never_written_into(tmp_path):
 def test_call_into_is_refused_where_it_cannot_write_into_the_spare(backend, donate):
     step = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8, donate_state=donate)
     state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
-    spare = [jnp.zeros_like(x) for x in _recycle._arrays(state)]
+    spare = [jnp.zeros_like(x) for x in _recycle._Arrays(state).arrays]
     with pytest.raises(
         ValueError, match=r"call_into needs a backend that recycles .* donate_state=False"
     ):
