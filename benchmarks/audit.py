@@ -27,7 +27,6 @@ import jdp
 
 jdp.force_cpu_devices(8)
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -48,14 +47,7 @@ def cost(rounds, steps):
     for backend in BACKENDS:
         variants = {"plain": None, "audit@1": 1, "audit@100": 100}
         runners = {name: variant(backend, every) for name, every in variants.items()}
-        states, batches = {}, {}
-        for name, step in runners.items():
-            states[name] = step.replicate(
-                jdp.TrainState.create(params=bench.init_params(), tx=optax.adam(1e-3))
-            )
-            batches[name] = step.shard(bench.data())
-            states[name], m = step(states[name], batches[name])
-            jax.block_until_ready(m)
+        states, batches = bench.warmed(runners)
         times = bench.time_rounds(runners, states, batches, rounds, steps)
         for step in runners.values():
             step.check_audit()

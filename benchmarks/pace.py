@@ -10,8 +10,12 @@ Runs tests/scripts/multiprocess_pace.py under jdp.launch, for each layout
 - HANGS jobs in which the last process's step blocks in a host callback at
   step 8 (``--timeout 10``): how many named that process and ended within
   the deadline + 10 s of the hang, and the median time from hang to end.
+  With ``--launchers``, as many 2 x 2 jobs started by each of ``mpirun``,
+  ``srun`` (a SLURM controller must answer) and ``k8s`` (a Kubernetes Indexed
+  Job's variables, each process started on its own), as the suite starts them.
 
 Usage: python benchmarks/pace.py [--trials 20] [--clean 2000] [--hangs 20] [--layouts 2x4 4x2]
+       [--launchers mpirun srun k8s]
 """
 
 import argparse
@@ -24,6 +28,10 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests import launching, test_pace  # noqa: E402  (the suite's launchers for the 2 x 2 job)
+
+LAUNCHERS = {"mpirun": "mpirun", "srun": "srun", "k8s": "jobset"}
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
 NAMED = re.compile(
     r"process (\d+) of \d+ on \S+ \(devices [\d, ]+\) sets the job's pace: "
@@ -75,13 +83,34 @@ def hang(layout):
     return ended - float(began.group(1))
 
 
+def hang_under(launcher):
+    """:func:`hang` for the suite's 2 x 2 job started by ``launcher`` (a key of LAUNCHERS)."""
+    code, err, ended = test_pace.launch(
+        "hang-step", 100, timeout=int(DEADLINE), launcher=LAUNCHERS[launcher]
+    )
+    began = re.search(r"hanging at ([\d.]+)", err)
+    if code == 0 or began is None or {int(p) for p in HELD.findall(err)} != {1}:
+        return None
+    return ended - float(began.group(1))
+
+
+def report(where, ends, jobs):
+    good = [e for e in ends if e is not None and e <= DEADLINE + 10]
+    median = f", median {statistics.median(good):.1f} s from hang to end" if good else ""
+    print(
+        f"{where}: named and ended within {DEADLINE + 10:.0f} s in {len(good)} of {jobs} jobs{median}",
+        flush=True,
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--clean", type=int, default=2000, help="steps of the clean job")
     parser.add_argument("--slowdown", type=float, default=0.1)
     parser.add_argument("--hangs", type=int, default=20, help="jobs hung in a host callback")
-    parser.add_argument("--layouts", nargs="+", default=["2x4", "4x2"])
+    parser.add_argument("--layouts", nargs="*", default=["2x4", "4x2"])
+    parser.add_argument("--launchers", nargs="*", default=[], choices=sorted(LAUNCHERS))
     args = parser.parse_args()
     if args.trials:  # 0: the hangs only
         print(f"\nstragglers: a data loader slowed by {args.slowdown:.0%} from step 21")
@@ -104,13 +133,13 @@ def main():
             f"\nhangs: the last process's step blocks in a host callback (deadline {DEADLINE:.0f} s)"
         )
         for layout in args.layouts:
-            ends = [hang(layout) for _ in range(args.hangs)]
-            good = [e for e in ends if e is not None and e <= DEADLINE + 10]
-            median = f", median {statistics.median(good):.1f} s from hang to end" if good else ""
-            print(
-                f"{layout}: named and ended within {DEADLINE + 10:.0f} s in {len(good)} of {args.hangs} jobs{median}",
-                flush=True,
-            )
+            report(layout, [hang(layout) for _ in range(args.hangs)], args.hangs)
+        for launcher in args.launchers:
+            if launcher == "srun" and not launching.slurm_up():
+                print("2x2 under srun: skipped, no SLURM controller answers", flush=True)
+                continue
+            ends = [hang_under(launcher) for _ in range(args.hangs)]
+            report(f"2x2 under {launcher}", ends, args.hangs)
 
 
 if __name__ == "__main__":

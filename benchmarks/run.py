@@ -164,6 +164,18 @@ def peak_mib(lowered):
     return total / 2**20
 
 
+def warmed(runners, step_of=lambda runner: runner):
+    """``(states, batches)``: each runner's bench state and batch, placed by ``step_of(runner)``, after one call."""
+    states, batches = {}, {}
+    for name, runner in runners.items():
+        step = step_of(runner)
+        state = jdp.TrainState.create(params=init_params(), tx=optax.adam(1e-3))
+        states[name], batches[name] = step.replicate(state), step.shard(data())
+        states[name], m = runner(states[name], batches[name])
+        jax.block_until_ready(m)
+    return states, batches
+
+
 def time_rounds(variants, states, batches, rounds, steps):
     """``{name: [seconds per step, one per round]}``, rounds interleaved over the variants.
 

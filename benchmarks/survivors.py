@@ -50,7 +50,6 @@ jdp.force_cpu_devices(8)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -90,15 +89,7 @@ def cost(backend, rounds, steps):
     runners = {"donating": wrap(jdp.make_train_step(bench.loss_fn)), "kept": Kept(kept, folder)}
     if kept.recycles:
         runners["kept, new buffers"] = Kept(kept.with_step(kept.step), folder, recycle=False)
-    states, batches = {}, {}
-    for name, runner in runners.items():
-        step = runner.step if isinstance(runner, Kept) else runner
-        states[name] = step.replicate(
-            jdp.TrainState.create(params=bench.init_params(), tx=optax.adam(1e-3))
-        )
-        batches[name] = step.shard(bench.data())
-        states[name], m = runner(states[name], batches[name])
-        jax.block_until_ready(m)
+    states, batches = bench.warmed(runners, lambda r: r.step if isinstance(r, Kept) else r)
     times = bench.time_rounds(runners, states, batches, rounds, steps)
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     # Each round's ratio pairs two runs a few hundred ms apart: the machine's
@@ -113,7 +104,7 @@ def cost_in_fresh_processes(rounds, steps, processes):
     """``{backend: [cost(...) of each process]}``: each backend in processes of its own.
 
     A job runs one backend; measured after the other backend's variants in
-    one process, the shard_map ratio read 1.07-1.10 against 0.96-1.07 in
+    one process, the shard_map ratio read 1.07-1.10 against 1.02-1.07 in
     processes of its own (the allocator's state after other work decides
     what the donating step's temporaries cost: with glibc's mmap threshold
     fixed at 4 MiB the ratio was 0.82-0.86).
