@@ -104,7 +104,7 @@ def cost_in_fresh_processes(rounds, steps, processes):
     """``{backend: [cost(...) of each process]}``: each backend in processes of its own.
 
     A job runs one backend; measured after the other backend's variants in
-    one process, the shard_map ratio read 1.07-1.10 against 1.02-1.07 in
+    one process, the shard_map ratio read 1.07-1.13 against 1.02-1.07 in
     processes of its own (the allocator's state after other work decides
     what the donating step's temporaries cost: with glibc's mmap threshold
     fixed at 4 MiB the ratio was 0.82-0.86).
