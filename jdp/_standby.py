@@ -25,6 +25,7 @@ import os
 import pathlib
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,11 @@ from jdp._steps import TrainStep, wraps
 from jdp._tree import PyTree, is_prng_key
 
 _KEPT = 3  # states held at most: the newest completed one and the steps in flight
+# How long the exit path waits for a held step to complete: a step whose metrics were
+# read completes on the other devices within milliseconds (each device's outputs are
+# ready when its own part of the program ends), while a step blocked in a collective
+# with a failed peer never does.
+_GRACE = 1.0
 _RUN_FILE = "jdp-run-id"
 _ROWS = "jdp.next_rows"  # the metrics entry of copying()'s step
 
@@ -96,22 +102,24 @@ class Standby:
         if self.on_drop is not None:
             self.on_drop(state)
 
-    def write(self) -> int | None:
+    def write(self, grace: float = 0.0) -> int | None:
         """Writes the newest completed step held to this run's folder; returns it (None: none).
 
         Called on the way out of a failing job, from whichever thread ends the
         process, while the main thread may be blocked in a collective: it
-        reads only buffers that are complete and runs no computation.
+        reads only buffers that are complete and runs no computation. Held
+        steps still running get ``grace`` seconds in all to complete.
         """
         with self._writing:
-            return self._write_newest()
+            return self._write_newest(time.monotonic() + grace)
 
-    def _write_newest(self) -> int | None:
+    def _write_newest(self, until: float) -> int | None:
         with self._lock:
             kept, history = list(self._kept), self._history
         for step, state, copies, position, _ in reversed(kept):
             if self.written is not None and step <= self.written:
                 return self.written
+            _await((state, [c for c in copies if c is not None]), until)
             host = _host_copy(state, copies)
             if host is None:
                 continue
@@ -147,12 +155,14 @@ def active(standby: Standby | None):
 
 
 def write_active(timeout: float) -> None:
-    """The exit paths' hook: writes the loop's newest completed step, and says so."""
-    del timeout  # a host copy of complete buffers: milliseconds, nothing to bound
+    """The exit paths' hook: writes the loop's newest completed step, and says so.
+
+    A held step still running gets up to ``min(timeout, 1 s)`` to complete.
+    """
     for standby in list(_ACTIVE):
         before = standby.written
         try:
-            step = standby.write()
+            step = standby.write(min(timeout, _GRACE))
         except Exception as e:  # an exit path must go on: the disk checkpoint remains
             sys.stderr.write(f"[jdp] could not write the survivors' copy: {e!r}\n")
             continue
@@ -192,6 +202,15 @@ def run_folder(local_directory: pathlib.Path, checkpoint_directory: pathlib.Path
 def _ready(state: PyTree) -> bool:
     arrays = [_data(x) for x in jax.tree.leaves(state)]
     return all(x.is_ready() for x in arrays if isinstance(x, jax.Array))  # type: ignore[attr-defined]
+
+
+def _await(arrays: PyTree, until: float) -> None:
+    """Waits, polling, until ``arrays`` are ready or the clock passes ``until``.
+
+    Polls rather than blocks: a step that never completes must not hold the exit path.
+    """
+    while not _ready(arrays) and time.monotonic() < until:
+        time.sleep(0.001)
 
 
 def _settled(entry: tuple) -> bool | None:
