@@ -10,6 +10,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +130,26 @@ def test_a_step_that_donates_its_state_is_refused_with_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"donate_state=False") as info:
         fit(tmp_path, 4, donate=True)
     assert str(info.value).startswith("jdp.fit: Checkpointer(local_directory=...) keeps")
+
+
+def test_the_exit_path_waits_for_a_running_step_only_as_long_as_its_grace(tmp_path):
+    release = threading.Event()
+
+    def held_back(x):
+        release.wait(60)
+        return x
+
+    # A step on 8 devices runs on their threads: dispatch returns, the state is not ready.
+    step = jax.pmap(lambda x: jax.pure_callback(held_back, jax.ShapeDtypeStruct((3,), x.dtype), x))
+    standby = _standby.Standby(tmp_path, 0)
+    standby.keep(1, {"w": jnp.ones((8, 3))}, None, None)
+    standby.keep(2, {"w": step(jnp.ones((8, 3)))}, None, None)
+    start = time.monotonic()
+    assert standby.write(0.3) == 1  # a step that never completes: the one before it
+    assert 0.3 <= time.monotonic() - start < 10
+    threading.Timer(0.2, release.set).start()
+    assert standby.write(30.0) == 2  # one that completes within the grace: itself
+    assert _standby_restore.newest(tmp_path) == 2
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
