@@ -1,10 +1,11 @@
-"""data_parallel, zero1 and fsdp on a 12-layer transformer LM: memory, collective bytes, step time.
+"""Sharded strategies on a 12-layer transformer LM: memory, collective bytes, step time.
 
 A plain-JAX decoder LM (12 blocks, d = 256, vocab 512, 32 tokens; about 9.7M
 float32 parameters) with Adam, global batch 16, under jdp.shard_map on
-n = 2, 4, 8 CPU devices. fsdp gathers block by block
-(``fsdp(layers=...)`` with ``jdp.strategies.layer`` around each block). Per
-device, for each strategy:
+n = 2, 4, 8 CPU devices: data_parallel, zero1, fsdp, exact(8) and
+exact(8, shard_optimizer_state=True) ("exact_split"). fsdp gathers block by
+block (``fsdp(layers=...)`` with ``jdp.strategies.layer`` around each block).
+Per device, for each strategy:
 
   state MiB      the placed training state (device 0's shards)
   ideal MiB      (params + grads + Adam's moments) / n: the floor a fully
@@ -73,6 +74,8 @@ def strategies():
         "data_parallel": jdp.strategies.data_parallel(),
         "zero1": jdp.strategies.zero1(),
         "fsdp": jdp.strategies.fsdp(layers=models.in_blocks),
+        "exact": jdp.strategies.exact(8),
+        "exact_split": jdp.strategies.exact(8, shard_optimizer_state=True),
     }
 
 

@@ -4,9 +4,11 @@ Each family is a function returning ``(make_step, state, batches)`` for
 :func:`jdp.testing.check_exact`: a few steps of a small model on fixed data.
 tests/test_zoo.py runs every family on 1, 2, 4 and 8 devices under both
 backends; tests/scripts/multiprocess_zoo.py runs them on 2 processes x 2 devices
-(``ACROSS_PROCESSES``).
+(``ACROSS_PROCESSES``). The ``*_split_optimizer`` families train a family with
+its optimizer state split over the devices (``exact(G, shard_optimizer_state=True)``).
 """
 
+import functools
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -24,8 +26,9 @@ G = 8  # virtual replicas
 STEPS = 3
 
 
-def _exact(loss_fn, **kwargs) -> Callable[[], jdp.TrainStep]:
-    return lambda: jdp.make_train_step(loss_fn, strategy=jdp.strategies.exact(G), **kwargs)
+def _exact(loss_fn, shard=False, **kwargs) -> Callable[[], jdp.TrainStep]:
+    strategy = jdp.strategies.exact(G, shard_optimizer_state=shard)
+    return lambda: jdp.make_train_step(loss_fn, strategy=strategy, **kwargs)
 
 
 def mlp():
@@ -63,7 +66,7 @@ class ConvNet(nn.Module):
         return nn.Dense(10)(x)
 
 
-def cnn():
+def cnn(shard=False):
     """A CNN with batch norm and dropout; SGD with momentum under a dynamic loss scale."""
     r = np.random.RandomState(1)
     variables = ConvNet().init(jax.random.key(1), jnp.zeros((1, 8, 8, 1)), train=False)
@@ -93,7 +96,7 @@ def cnn():
         }
         for _ in range(STEPS)
     ]
-    return _exact(loss_fn, has_model_state=True, has_rng=True), state, batches
+    return _exact(loss_fn, shard, has_model_state=True, has_rng=True), state, batches
 
 
 VOCAB, LENGTH, WIDTH = 64, 16, 64
@@ -150,13 +153,13 @@ def lm_loss(params, batch, rng):
     return jdp.weighted_mean(loss, batch["valid"])
 
 
-def transformer():
+def transformer(shard=False):
     """The causal LM with dropout and a per-token WeightedLoss; AdamW."""
     params = LM().init(jax.random.key(3), jnp.zeros((1, LENGTH), jnp.int32))["params"]
     state = jdp.TrainState.create(
         params=params, tx=optax.adamw(1e-3, weight_decay=0.01), rng=jax.random.key(4)
     )
-    return _exact(lm_loss, has_rng=True), state, lm_batches(STEPS)
+    return _exact(lm_loss, shard, has_rng=True), state, lm_batches(STEPS)
 
 
 def nnx_model():
@@ -404,6 +407,8 @@ FAMILIES = {
     "remat_scan": remat_scan,
     "unet": unet,
     "tied_embeddings": tied_embeddings,
+    "cnn_split_optimizer": functools.partial(cnn, shard=True),
+    "transformer_split_optimizer": functools.partial(transformer, shard=True),
 }
 
 # What tests/scripts/multiprocess_zoo.py trains across processes: every family under

@@ -52,7 +52,8 @@ def check_elementwise(update_fn: Callable[..., Any], sliced: list[bool], *args: 
     flattened leaf of ``args``, whether the replica holds only a slice of it)
     to the outputs. A reduction over a leaf every replica holds whole is
     exact; a ``psum`` over the data axis (as in :func:`clip_by_global_norm`)
-    makes a slice's reduction global again.
+    makes a slice's reduction global again, as an ``all_gather`` of the
+    slices makes them whole.
 
     Raises:
       ValueError: naming the primitive, when an output depends on one.
@@ -87,7 +88,8 @@ def _flow(jaxpr, inputs: list[Flow]) -> list[Flow]:
         flows = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         inner = _inner_jaxprs(eqn)
-        if name == "psum":  # a sum over every replica's slices: global, exact
+        # A sum over every replica's slices, or all of them gathered: global, exact.
+        if name in ("psum", "all_gather"):
             outs = [_CLEAN] * len(eqn.outvars)
         elif inner:
             outs = _through_inner(eqn, inner, flows)

@@ -27,7 +27,6 @@ The placed optimizer state is a :class:`ShardedOptState`: leaves of shape
 
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Literal
 
 import jax
@@ -47,6 +46,7 @@ from jdp.distributed import from_process0
 from jdp.strategies._base import (
     PSUM,
     Communication,
+    NormFn,
     Reduced,
     Strategy,
     check_communication,
@@ -343,6 +343,20 @@ def sharded_norm(tree: PyTree, params: PyTree, axis_name: str) -> jax.Array:
     return jnp.sqrt(total)
 
 
+def gathered_norm(tree: PyTree, params: PyTree, axis_name: str) -> jax.Array:
+    """The global L2 norm of a tree of slices, computed on the whole tree.
+
+    The slices are all-gathered and reduced as :func:`optax.tree.norm`
+    reduces the unsharded tree (the same shapes, the same order), so exact
+    mode's clip reads the same bits on any device count; :func:`sharded_norm`'s
+    ``psum`` adds the replicas' partial sums in an order that depends on n.
+    """
+    # The barrier keeps each leaf whole: without it XLA folds the gather's
+    # reshapes into the reduction, which then sums a (size,) array instead of
+    # the leaf's shape, in another order (1 ulp off the unsharded clip).
+    return optax.tree.norm(lax.optimization_barrier(gather_params(tree, params, axis_name)))
+
+
 def check_sharded(sharded: object, n: int, name: str) -> None:
     """The state holds a value split by a sharded strategy, ``n`` ways."""
     if not isinstance(sharded, ShardedOptState):
@@ -368,17 +382,22 @@ def update_slices(
     grads: PyTree,
     model_state: PyTree,
     axis_name: str,
+    global_norm: NormFn = sharded_norm,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """:func:`jdp.apply_gradients` on this replica's parameter slices and optimizer rows.
 
     ``like`` holds the whole parameters' shapes (arrays or shape structs).
     The returned state's params are the new slices and its optimizer state
-    the new rows (unwrapped).
+    the new rows (unwrapped). ``global_norm`` gives the norm of a tree of
+    slices (:func:`sharded_norm`, or :func:`gathered_norm` in exact mode).
     """
     n = lax.axis_size(axis_name)
     sharded = state.opt_state
     view = state.replace(params=slices, opt_state=sharded.shards)
-    norm = partial(sharded_norm, params=like, axis_name=axis_name)
+
+    def norm(tree: PyTree) -> jax.Array:
+        return global_norm(tree, like, axis_name)
+
     tx = optax.with_extra_args_support(state.tx)
     split = [is_sharded_param(x.shape, n) for x in jax.tree.leaves(like)]
     rows = [shape is not None for shape in sharded.logical_shapes]
@@ -402,10 +421,48 @@ def apply_sharded(
     check_sharded(state.opt_state, n, "zero1")
     slices = param_slices(state.params, lax.axis_index(axis_name), n)
     new, info = update_slices(state, slices, state.params, grads, model_state, axis_name)
+    return _gathered(new, state, axis_name), info
+
+
+def cut_for_update(state: TrainState, grads: PyTree, axis_name: str) -> tuple[TrainState, PyTree]:
+    """This replica's slices of the parameters and of whole gradients (exact mode's).
+
+    Returns the state with its parameter slices, and the gradient slices.
+    """
+    n = lax.axis_size(axis_name)
+    check_sharded(state.opt_state, n, "exact")
+    index = lax.axis_index(axis_name)
+    return state.replace(params=param_slices(state.params, index, n)), param_slices(grads, index, n)
+
+
+def update_cut(
+    state: TrainState, grads: PyTree, model_state: PyTree, axis_name: str, like: PyTree
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """:func:`update_slices` on a state :func:`cut_for_update` cut; a state of the same structure.
+
+    A global-norm clip reads the whole tree's norm (:func:`gathered_norm`).
+    ``like``: the whole parameters (their shapes).
+    """
+    sharded = state.opt_state
+    new, info = update_slices(
+        state, state.params, like, grads, model_state, axis_name, gathered_norm
+    )
+    rows = ShardedOptState(new.opt_state, sharded.logical_shapes, sharded.num_shards)
+    return new.replace(opt_state=rows), info
+
+
+def gather_cut(new: TrainState, old: TrainState, axis_name: str) -> TrainState:
+    """The whole parameters of a state :func:`update_cut` updated (all-gathered)."""
+    return new.replace(params=gather_params(new.params, old.params, axis_name))
+
+
+def _gathered(new: TrainState, old: TrainState, axis_name: str) -> TrainState:
+    """The new slices' whole parameters (all-gathered), the optimizer rows kept split."""
+    n = lax.axis_size(axis_name)
     return new.replace(
-        params=gather_params(new.params, state.params, axis_name),
-        opt_state=ShardedOptState(new.opt_state, state.opt_state.logical_shapes, n),
-    ), info
+        params=gather_params(new.params, old.params, axis_name),
+        opt_state=ShardedOptState(new.opt_state, old.opt_state.logical_shapes, n),
+    )
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

@@ -1,6 +1,8 @@
-"""strategies.zero1() (or fsdp()) across processes, for tests/test_zero1.py and test_fsdp.py.
+"""A split state across processes, for tests/test_zero1.py, test_fsdp.py and test_exact_sharded.py.
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT [STRATEGY]
+
+STRATEGY: zero1 (the default), fsdp, or exact (exact(8, shard_optimizer_state=True)).
 
 10 Adam steps with the optimizer state split over every process's devices, a
 checkpoint (the whole state, gathered from every process's slices), a restore
@@ -24,7 +26,10 @@ from tests import models, test_zero1  # noqa: E402
 
 def main(out, backend, directory, strategy="zero1"):
     wrap = jdp.pmap if backend == "pmap" else jdp.shard_map
-    chosen = getattr(jdp.strategies, strategy)()
+    if strategy == "exact":  # exact mode with the optimizer state split
+        chosen = jdp.strategies.exact(8, shard_optimizer_state=True)
+    else:
+        chosen = getattr(jdp.strategies, strategy)()
     step = wrap(jdp.make_train_step(models.mlp_loss, strategy=chosen))
     fresh = jdp.TrainState.create(params=test_zero1.PARAMS, tx=optax.adam(1e-2))
     state = step.replicate(fresh)
