@@ -15,7 +15,8 @@ Per device, for each strategy:
   sent / ring    bytes each device sends per step in the compiled HLO's
                  collectives (ring algorithms: an all-reduce of B bytes sends
                  2(n-1)/n B, an all-gather producing B sends (n-1)/n B, a
-                 reduce-scatter of B sends (n-1)/n B), over the ring
+                 reduce-scatter of B sends (n-1)/n B, an all-to-all of B
+                 sends (n-1)/n B), over the ring
                  all-reduce bound 2(n-1)/n x the gradient bytes
   step ms        median over repeats of the mean of timed steps
 
@@ -38,7 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MiB = 2**20
 # One instruction per line; a tuple result's type may hold /*index=5*/ comments.
-_OP = re.compile(r"^\s*\S+ = (.*?) (all-reduce|all-gather|reduce-scatter)(?:-start)?\(", re.M)
+_OP = re.compile(
+    r"^\s*\S+ = (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", re.M
+)
 _SHAPE = re.compile(r"(f32|bf16|f16|s32|u32|pred)\[([0-9,]*)\]")
 _BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
 
@@ -60,7 +63,7 @@ def sent_bytes(hlo: str, n: int) -> float:
         b = result_bytes(types)
         if op == "all-reduce":
             sent += 2 * (n - 1) / n * b
-        elif op == "all-gather":
+        elif op in ("all-gather", "all-to-all"):  # all-to-all keeps 1/n of its bytes
             sent += (n - 1) / n * b
         else:  # reduce-scatter: the result is 1/n of the input
             sent += (n - 1) * b
