@@ -247,7 +247,8 @@ def _strategy(strategy: Strategy | None, legacy: dict[str, Any]) -> Strategy:
         raise ValueError(
             f"jdp.make_train_step: virtual_replicas (exact mode) does not combine with {names}: "
             "exact mode has its own micro-batches and reduction. Use "
-            "strategy=jdp.strategies.exact(virtual_replicas) alone."
+            "strategy=jdp.strategies.exact(virtual_replicas) alone, with "
+            "shard_optimizer_state=True to split the optimizer state."
         )
     built = exact(g) if g is not None else (zero1 if shard else data_parallel)(**options)
     replacement = {"exact": f"exact({g})", "zero1": "zero1(...)"}.get(

@@ -127,3 +127,8 @@ def test_zoo_families_split_are_the_unsplit_families_bits(family):
     assert np.array_equal(metrics["loss"], expected_metrics["loss"])
     assert_bitwise((got.params, got.model_state), (expected.params, expected.model_state))
     assert_bitwise(got.opt_state, expected.opt_state)
+
+
+def test_the_deprecated_arguments_name_the_split_when_both_are_asked_for():
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True to split"):
+        jdp.make_train_step(models.mlp_loss, virtual_replicas=G, shard_optimizer=True)
