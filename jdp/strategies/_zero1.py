@@ -421,7 +421,9 @@ def apply_sharded(
     check_sharded(state.opt_state, n, "zero1")
     slices = param_slices(state.params, lax.axis_index(axis_name), n)
     new, info = update_slices(state, slices, state.params, grads, model_state, axis_name)
-    return _gathered(new, state, axis_name), info
+    return gather_cut(new, state, axis_name).replace(
+        opt_state=ShardedOptState(new.opt_state, state.opt_state.logical_shapes, n)
+    ), info
 
 
 def cut_for_update(state: TrainState, grads: PyTree, axis_name: str) -> tuple[TrainState, PyTree]:
@@ -454,15 +456,6 @@ def update_cut(
 def gather_cut(new: TrainState, old: TrainState, axis_name: str) -> TrainState:
     """The whole parameters of a state :func:`update_cut` updated (all-gathered)."""
     return new.replace(params=gather_params(new.params, old.params, axis_name))
-
-
-def _gathered(new: TrainState, old: TrainState, axis_name: str) -> TrainState:
-    """The new slices' whole parameters (all-gathered), the optimizer rows kept split."""
-    n = lax.axis_size(axis_name)
-    return new.replace(
-        params=gather_params(new.params, old.params, axis_name),
-        opt_state=ShardedOptState(new.opt_state, old.opt_state.logical_shapes, n),
-    )
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
