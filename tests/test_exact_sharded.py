@@ -58,7 +58,7 @@ def test_bitwise_equal_to_unsharded_exact_on_1_2_4_8_devices(name, backend):
     expected, expected_loss = step.unreplicate(state), np.asarray(metrics["loss"])[0]
     for n in (1, 2, 4, 8):
         step, state, metrics = train(OPTIMIZERS[name](), True, backend, n)
-        if n > 1:  # one device holds everything whole
+        if n > 1:  # on one device nothing is split
             assert isinstance(state.opt_state, jdp.ShardedOptState)
             assert state.opt_state.num_shards == n
         assert_bitwise(step.unreplicate(state), expected)
