@@ -152,9 +152,16 @@ def test_the_exit_path_waits_for_a_running_step_only_as_long_as_its_grace(tmp_pa
     assert _standby_restore.newest(tmp_path) == 2
 
 
-@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+SPLIT = {
+    "zero1": jdp.strategies.zero1,
+    "fsdp": jdp.strategies.fsdp,
+    "exact_split": lambda: jdp.strategies.exact(8, shard_optimizer_state=True),
+}
+
+
+@pytest.mark.parametrize("strategy", list(SPLIT))
 def test_a_split_state_resumes_from_its_rows(tmp_path, strategy, backend):
-    split = getattr(jdp.strategies, strategy)()
+    split = SPLIT[strategy]()
     reference, _ = fit(tmp_path / "reference", 12, strategy=split, backend=backend)
     with pytest.raises(RuntimeError, match="failed at step 7"):
         fit(tmp_path, 12, callbacks=[fail_at(7)], strategy=split, backend=backend)
