@@ -144,12 +144,15 @@ def test_the_exit_path_waits_for_a_running_step_only_as_long_as_its_grace(tmp_pa
     standby = _standby.Standby(tmp_path, 0)
     standby.keep(1, {"w": jnp.ones((8, 3))}, None, None)
     standby.keep(2, {"w": step(jnp.ones((8, 3)))}, None, None)
-    start = time.monotonic()
-    assert standby.write(0.3) == 1  # a step that never completes: the one before it
-    assert 0.3 <= time.monotonic() - start < 10
-    threading.Timer(0.2, release.set).start()
-    assert standby.write(30.0) == 2  # one that completes within the grace: itself
-    assert _standby_restore.newest(tmp_path) == 2
+    try:
+        start = time.monotonic()
+        assert standby.write(0.3) == 1  # a step that never completes: the one before it
+        assert 0.3 <= time.monotonic() - start < 10
+        threading.Timer(0.2, release.set).start()
+        assert standby.write(30.0) == 2  # one that completes within the grace: itself
+        assert _standby_restore.newest(tmp_path) == 2
+    finally:
+        release.set()  # a failed assertion must not leave the devices' threads blocked
 
 
 SPLIT = {

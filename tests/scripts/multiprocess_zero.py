@@ -2,7 +2,7 @@
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT [STRATEGY]
 
-STRATEGY: zero1 (the default), fsdp, or exact (exact(8, shard_optimizer_state=True)).
+STRATEGY: zero1 (the default), fsdp, or exact_split (exact(8, shard_optimizer_state=True)).
 
 10 Adam steps with the optimizer state split over every process's devices, a
 checkpoint (the whole state, gathered from every process's slices), a restore
@@ -26,7 +26,7 @@ from tests import models, test_zero1  # noqa: E402
 
 def main(out, backend, directory, strategy="zero1"):
     wrap = jdp.pmap if backend == "pmap" else jdp.shard_map
-    if strategy == "exact":  # exact mode with the optimizer state split
+    if strategy == "exact_split":
         chosen = jdp.strategies.exact(8, shard_optimizer_state=True)
     else:
         chosen = getattr(jdp.strategies, strategy)()
