@@ -1,8 +1,10 @@
-"""A fault injector, for testing only: one flipped bit in one replica's state at one step.
+"""A fault injector, for testing only: one flipped bit on one device at one step.
 
-It models silent data corruption on one device: a wrong result of the
-update, or a bit that changed in memory after it. The fault is data, not
-code (it rides with the batch), so one compiled step injects any fault.
+It models silent data corruption on one device: in its new state (a wrong
+result of the update, or a bit that changed in memory after it), or, in
+exact mode, in the gradients it computed for one virtual replica (a wrong
+result of the forward or backward pass). The fault is data, not code (it
+rides with the batch), so one compiled step injects any fault.
 """
 
 import dataclasses
@@ -13,6 +15,7 @@ import numpy as np
 from jax import lax
 
 from jdp import metrics as _metrics
+from jdp._bitflip import FIELDS, FaultedBatch, flipped
 from jdp._steps import TrainStep
 from jdp._tree import PyTree, is_prng_key
 from jdp.metrics import StepView
@@ -27,15 +30,19 @@ _STATE_METRICS = {
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One bit to flip: after step ``step``, on replica ``replica``, in leaf ``leaf`` of the state.
+    """One bit to flip at step ``step`` on replica ``replica``, in leaf ``leaf``.
 
     Attributes:
-      step: the step (``state.step`` after it) whose new state is hit.
+      step: the step (``state.step`` after it) that is hit.
       replica: the replica (its index on the data axis, across processes).
-      leaf: the leaf's index in ``jax.tree.leaves(state)``, the order
-        :class:`jdp.Audit` names leaves in.
+      leaf: the leaf's index in ``jax.tree.leaves(state)`` (the order
+        :class:`jdp.Audit` names leaves in), or with
+        ``with_faults(..., target="gradients")`` in ``jax.tree.leaves(params)``.
       index: the element of that leaf (its flat index, modulo the leaf's size).
       bit: the bit of that element (modulo its width in bits).
+      virtual_replica: with ``target="gradients"``, the virtual replica whose
+        gradients the device computes wrong: one of its own, or one it
+        recomputes for exact mode's ``recompute_every`` check.
     """
 
     step: int
@@ -43,10 +50,11 @@ class Fault:
     leaf: int
     index: int = 0
     bit: int = 0
+    virtual_replica: int = 0
 
     def rows(self, batch_size: int) -> np.ndarray:
-        """The fault as ``(batch_size, 5)`` int32 rows, one per example, for the batch."""
-        spec = [self.step, self.replica, self.leaf, self.index, self.bit]
+        """The fault as ``(batch_size, 6)`` int32 rows, one per example, for the batch."""
+        spec = [getattr(self, name) for name in FIELDS]
         return np.tile(np.asarray(spec, np.int32), (batch_size, 1))
 
 
@@ -55,14 +63,21 @@ def no_fault(batch_size: int) -> np.ndarray:
     return Fault(_NONE, 0, 0).rows(batch_size)
 
 
-def with_faults(step: TrainStep) -> TrainStep:
-    """``step`` taking ``(batch, fault rows)``: it flips the fault's bit in its new state.
+def with_faults(step: TrainStep, target: str = "state") -> TrainStep:
+    """``step`` taking ``(batch, fault rows)``: it flips the fault's bit.
 
     Testing only: it checks that a fault is caught (:class:`jdp.Audit`,
-    ``jdp.metrics.replicas_agree``, ``jdp.metrics.fingerprint``). The state
-    metrics among the step's (``audit``, ``fingerprint``,
+    ``jdp.metrics.replicas_agree``, ``jdp.metrics.fingerprint``, exact
+    mode's ``recompute_every``).
+
+    With ``target="state"`` the bit flips in the replica's new state, and
+    the state metrics among the step's (``audit``, ``fingerprint``,
     ``leaf_fingerprints``, ``replicas_agree``) are computed again on the
     faulty state, as a fault that hit the device before them would be seen.
+    With ``target="gradients"`` (exact mode only) it flips in the gradients
+    the replica's device computes for the fault's virtual replica, the first
+    time it computes them in the step (a transient fault), before any hash
+    or sum reads them.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jdp
@@ -79,12 +94,29 @@ def with_faults(step: TrainStep) -> TrainStep:
         raise TypeError(
             f"jdp.testing.with_faults takes a step built by jdp.make_train_step, got {type(step).__name__}."
         )
+    if target not in ("state", "gradients"):
+        raise ValueError(
+            f"jdp.testing.with_faults: target must be 'state' or 'gradients', got {target!r}."
+        )
     inner, axis_name = step.fn, step.axis_name
+    if target == "gradients":
+        if step.strategy.name != "exact":
+            raise ValueError(
+                "jdp.testing.with_faults: target='gradients' needs a step in exact mode, where "
+                "each virtual replica's gradients are computed on one device; this step's "
+                f"strategy is {step.strategy.name}. Build it with strategy=jdp.strategies.exact(G)."
+            )
+
+        def faulty_gradients(state: PyTree, batch: tuple[PyTree, jax.Array]):
+            data, rows = batch
+            return inner(state, FaultedBatch(data, rows.reshape(-1, len(FIELDS))[0]))
+
+        return dataclasses.replace(step, fn=faulty_gradients)
 
     def faulty(state: PyTree, batch: tuple[PyTree, jax.Array]) -> tuple[PyTree, dict]:
         data, rows = batch
         new, metrics = inner(state, data)
-        new = flip(new, rows.reshape(-1, 5)[0], axis_name)
+        new = flip(new, rows.reshape(-1, len(FIELDS))[0], axis_name)
         view = StepView(state, new, None, _no_norm, axis_name)  # the state metrics read `after`
         makers = {**_STATE_METRICS, **({} if step.audit is None else {"audit": step.audit.metric})}
         redone = {name: make().compute(view) for name, make in makers.items() if name in metrics}
@@ -101,21 +133,11 @@ def _no_norm(grads: PyTree) -> jax.Array:
 
 def flip(state: PyTree, spec: jax.Array, axis_name: str) -> PyTree:
     """``state`` with the bit ``spec`` names flipped on its replica, inside a step."""
-    at_step, replica, leaf, index, bit = (spec[i] for i in range(5))
+    at_step, replica, leaf, index, bit = (spec[i] for i in range(5))  # FIELDS' first five
     here = (state.step == at_step) & (lax.axis_index(axis_name) == replica)
     leaves, treedef = jax.tree.flatten(state)
     hit = [
-        x if is_prng_key(x) or x.dtype == jnp.bool_ else _flipped(x, here & (leaf == i), index, bit)
+        x if is_prng_key(x) or x.dtype == jnp.bool_ else flipped(x, here & (leaf == i), index, bit)
         for i, x in enumerate(leaves)
     ]
     return jax.tree.unflatten(treedef, hit)
-
-
-def _flipped(x: jax.Array, hit: jax.Array, index: jax.Array, bit: jax.Array) -> jax.Array:
-    width = 8 * x.dtype.itemsize
-    unsigned = jnp.dtype(f"uint{width}")
-    words = lax.bitcast_convert_type(x, unsigned).reshape(-1)
-    at = index % words.size
-    mask = jnp.left_shift(jnp.ones((), unsigned), (bit % width).astype(unsigned))
-    words = words.at[at].set(jnp.where(hit, words[at] ^ mask, words[at]))
-    return lax.bitcast_convert_type(words.reshape(x.shape), x.dtype)

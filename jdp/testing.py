@@ -2,7 +2,8 @@
 
 :func:`check_exact` checks exact mode; :func:`with_faults`, :class:`Fault`
 and :func:`no_fault` inject silent data corruption (testing only) to check
-that :class:`jdp.Audit` and the fingerprints catch it.
+that :class:`jdp.Audit`, exact mode's ``recompute_every`` and the
+fingerprints catch it.
 """
 
 from collections.abc import Callable, Sequence
