@@ -113,58 +113,80 @@ def agreement(view: StepView, every: int) -> jax.Array:
 
 
 class Checker:
-    """The host half, held by a backend: reads each call's ``audit`` one call late."""
+    """The host half, held by a backend: reads each call's check results one call late.
 
-    def __init__(self, audit: Audit, backend: str, devices: list[jax.Device]):
-        self.audit, self.backend, self.devices = audit, backend, devices
-        self._held: tuple[jax.Array, Any] | None = None
-        self._warned: set[tuple[int, int]] = set()
+    It reads :class:`Audit`'s ``audit`` metric and exact mode's
+    ``recompute`` metric (``jdp.strategies.exact(G, recompute_every=k)``),
+    whichever the step returns, and acts on a failure by ``on_mismatch``.
+    """
+
+    def __init__(
+        self, on_mismatch: Policy, backend: str, devices: list[jax.Device], checks: tuple[str, ...]
+    ):
+        self.on_mismatch, self.backend = on_mismatch, backend
+        self.devices, self.checks = devices, checks
+        self._held: tuple[dict[str, jax.Array], Any, Any] | None = None
+        self._warned: set[tuple[str, int, int]] = set()
 
     def note(self, metrics: Any, state: PyTree) -> None:
-        """Keeps this call's result (no wait) after checking the previous call's."""
-        if not isinstance(metrics, dict) or "audit" not in metrics:
+        """Keeps this call's results (no wait) after checking the previous call's."""
+        missing = [c for c in self.checks if not isinstance(metrics, dict) or c not in metrics]
+        if missing:
             raise ValueError(
-                f"jdp.{self.backend}: the step was built with audit=jdp.Audit(...) but its "
-                "metrics hold no 'audit' entry: a wrapper (jdp.wraps) dropped it. Return the "
-                "wrapped step's metrics with your own added: {**metrics, ...}."
+                f"jdp.{self.backend}: the step checks {missing[0]!r} (jdp.Audit or exact mode's "
+                f"recompute_every) but its metrics hold no {missing[0]!r} entry: a wrapper "
+                "(jdp.wraps) dropped it. Return the wrapped step's metrics with your own added: "
+                "{**metrics, ...}."
             )
-        previous, self._held = self._held, (metrics["audit"], jax.tree.structure(state))
+        params = jax.tree.structure(state.params) if hasattr(state, "params") else None
+        held = ({c: metrics[c] for c in self.checks}, jax.tree.structure(state), params)
+        previous, self._held = self._held, held
         if previous is not None:
             self._check(*previous)
 
     def check(self) -> None:
-        """Checks the last call's result now (waits for that step)."""
+        """Checks the last call's results now (waits for that step)."""
         held, self._held = self._held, None
         if held is not None:
             self._check(*held)
 
-    def _check(self, result: jax.Array, treedef: Any) -> None:
-        if isinstance(result, jax.core.Tracer):
-            return
-        # Every replica holds the same four ints: this process's first one reads them.
-        first = np.asarray(result.addressable_shards[0].data).reshape(4)
-        step, replica, leaf, votes = (int(v) for v in first)
-        if replica < 0:
-            return
-        message = self._message(step, replica, leaf, votes, treedef)
-        if self.audit.on_mismatch == "warn":
+    def _check(self, results: dict[str, jax.Array], treedef: Any, params: Any) -> None:
+        for name, result in results.items():
+            if isinstance(result, jax.core.Tracer):
+                return
+            # Every replica holds the same ints: this process's first one reads them.
+            row = [int(v) for v in np.asarray(result.addressable_shards[0].data).reshape(-1)]
+            if row[1] < 0:
+                continue
+            if name == "audit":
+                key, message = (name, row[1], row[2]), self._audit_message(row, treedef)
+            else:
+                key, message = (name, row[5], row[6]), self._recompute_message(row, params)
+            self._act(key, message)
+
+    def _act(self, key: tuple[str, int, int], message: str) -> None:
+        if self.on_mismatch == "warn":
             # Once per replica and leaf: a replica that stays apart would warn every step.
-            if (replica, leaf) not in self._warned:
-                self._warned.add((replica, leaf))
-                warnings.warn(message, RuntimeWarning, stacklevel=4)
-        elif self.audit.on_mismatch == "stop":
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(message, RuntimeWarning, stacklevel=5)
+        elif self.on_mismatch == "stop":
             _watchdog.end_job(message)
         else:
             raise ReplicaMismatchError(message)
 
-    def _message(self, step: int, replica: int, leaf: int, votes: int, treedef: Any) -> str:
-        n = len(self.devices)
-        paths, _ = jax.tree_util.tree_flatten_with_path(
-            treedef.unflatten(range(treedef.num_leaves))
-        )
-        name = "state" + jax.tree_util.keystr(paths[leaf][0])
+    def _device(self, replica: int) -> str:
         device = self.devices[replica]
-        where = f" (device {device}, process {device.process_index})"
+        return f"{device}, process {device.process_index}"
+
+    def _where(self, replica: int) -> str:
+        return f"device {replica} ({self._device(replica)})"
+
+    def _audit_message(self, row: list[int], treedef: Any) -> str:
+        step, replica, leaf, votes = row
+        n = len(self.devices)
+        name = "state" + _path(treedef, leaf)
+        where = f" (device {self._device(replica)})"
         odd = (
             f"replica {replica}{where} differs from the value {votes} of the {n} replicas hold"
             if 2 * votes > n
@@ -177,3 +199,38 @@ class Checker:
             "apart. Restore the last checkpoint (jdp.fit saves only audited states) and run "
             "on, excluding that device if it repeats."
         )
+
+    def _recompute_message(self, row: list[int], params: Any) -> str:
+        step, vr, owner, again, third, odd, leaf = row
+        name = "the loss, weight, model state or aux"
+        if params is not None and leaf < params.num_leaves:
+            name = "grads" + _path(params, leaf)
+        head = (
+            f"jdp.strategies.exact: at step {step}, virtual replica {vr}'s gradients computed on "
+            f"its own {self._where(owner)} differ from their recomputation on "
+            f"{self._where(again)}, first at {name}; {self._where(third)} computed them a third "
+            "time and "
+        )
+        if odd == owner:
+            return head + (
+                f"agreed with the recomputation: device {owner} computed wrong (silent data "
+                "corruption), and its gradients went into this step's update on every replica. "
+                "Restore the last checkpoint (jdp.fit saves only checked states) and run on "
+                f"without device {owner}."
+            )
+        if odd == again:
+            return head + (
+                f"agreed with device {owner}: device {again} computed wrong (silent data "
+                "corruption) in the recomputation only; the update used the right gradients. "
+                f"Run on without device {again}."
+            )
+        return head + (
+            "agreed with neither: no two computations agree, so no one device is to blame (the "
+            "model may not be deterministic, or several devices compute wrong). Restore the "
+            "last checkpoint and check exact mode on this machine with jdp.testing.check_exact."
+        )
+
+
+def _path(treedef: Any, leaf: int) -> str:
+    paths, _ = jax.tree_util.tree_flatten_with_path(treedef.unflatten(range(treedef.num_leaves)))
+    return jax.tree_util.keystr(paths[leaf][0])

@@ -77,8 +77,7 @@ class Backend(abc.ABC, Generic[K]):
         self._guard_donated = bool(self._donate) and size > 1
         self._replicas_checked = False
         self._lean = False  # after the first call, when nothing is left to check per call
-        audit = step.audit if isinstance(step, TrainStep) else None
-        self._audit = None if audit is None else Checker(audit, self.name, self._replica_devices())
+        self._audit = _checker(step, self.name, self._replica_devices())
         warn_if_cpu_pool_unsafe(size)
 
     @property
@@ -193,15 +192,17 @@ class Backend(abc.ABC, Generic[K]):
             return self(other, batch)
 
     def check_audit(self) -> None:
-        """Checks the last call's replica audit now (a step built with ``audit=``; else nothing).
+        """Checks the last call's replica audit now (a step built with ``audit=``, or exact
+        mode's ``recompute_every``; else nothing).
 
         Each call checks the previous call's audit after dispatching its own
         step, so the device never waits; this checks the last one, waiting
         for it. ``jdp.fit`` calls it before every checkpoint save and at the end.
 
         Raises:
-          jdp.ReplicaMismatchError: with ``on_mismatch="raise"``, when the
-            replicas disagreed after that step.
+          jdp.ReplicaMismatchError: with ``on_mismatch="raise"`` (the default
+            without ``audit=``), when the replicas disagreed after that step
+            or a device's recomputed gradients differed.
         """
         if self._audit is not None:
             self._audit.check()
@@ -232,6 +233,17 @@ class Backend(abc.ABC, Generic[K]):
     def unreplicate(self, tree: T) -> T:
         """Replica 0's values; a strategy's split state whole (see :func:`jdp.unreplicate`)."""
         return unreplicate(tree)
+
+
+def _checker(step: PerReplicaStep, backend: str, devices: list[jax.Device]) -> Checker | None:
+    """The host half of the step's in-graph checks (``audit``, ``recompute``), or None."""
+    if not isinstance(step, TrainStep):
+        return None
+    checks = ("audit",) * (step.audit is not None) + ("recompute",) * (
+        "recompute" in dict(step.metric_rules)
+    )
+    policy = "raise" if step.audit is None else step.audit.on_mismatch
+    return Checker(policy, backend, devices, checks) if checks else None
 
 
 def _donation(step: PerReplicaStep, donate_state: bool | None, backend: str) -> tuple[int, ...]:

@@ -26,12 +26,15 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jdp import _tree, metrics
+from jdp._args import check_int
+from jdp._bitflip import FaultedBatch, flip_rows
 from jdp._collectives import refuse_collectives
 from jdp._conv_layout import evaluate_canonical
 from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
 from jdp._weighting import safe_divide
+from jdp.strategies import _recompute
 from jdp.strategies._base import (
     Reduced,
     Strategy,
@@ -45,7 +48,12 @@ from jdp.strategies._zero1 import cut_for_update, gather_cut, update_cut
 from jdp.strategies._zero1 import place as zero1_place
 
 
-def exact(virtual_replicas: int, *, shard_optimizer_state: bool = False) -> Strategy:
+def exact(
+    virtual_replicas: int,
+    *,
+    shard_optimizer_state: bool = False,
+    recompute_every: int | None = None,
+) -> Strategy:
     """Exact mode: bitwise the same result on any number of devices and processes.
 
     The global batch is split into ``virtual_replicas`` micro-batches (a power
@@ -62,6 +70,13 @@ def exact(virtual_replicas: int, *, shard_optimizer_state: bool = False) -> Stra
         parameters and the new parameters are all-gathered. Bitwise the same
         as without it, on any device count (a global-norm clip all-gathers
         the clipped tree to take its norm as the unsharded step does).
+      recompute_every: every this many steps, each device also computes one
+        of its neighbour's virtual replicas and the two results' hashes are
+        compared; where they differ a third device computes it, and the
+        device that computed wrong is named (the ``recompute`` metric, checked
+        by the backend like :class:`jdp.Audit`'s result: ``docs/audit.md``).
+        A checked step computes one more micro-batch per device. Off (None)
+        by default; the result is the same bits either way.
 
     Example:
       >>> import jax.numpy as jnp, jdp
@@ -77,10 +92,18 @@ def exact(virtual_replicas: int, *, shard_optimizer_state: bool = False) -> Stra
             f"{shard_optimizer_state!r}."
         )
 
+    if recompute_every is not None:
+        check_int(recompute_every, "recompute_every", minimum=1, where="jdp.strategies.exact")
+
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
         refuse_per_replica(state, "exact", "params")
         rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
-        return exact_gradients(forward, state, batch, rng, virtual_replicas, axis_name)
+        fault = None
+        if isinstance(batch, FaultedBatch):  # jdp.testing.with_faults(..., target="gradients")
+            batch, fault = batch.data, batch.spec
+        return exact_gradients(
+            forward, state, batch, rng, virtual_replicas, axis_name, recompute_every, fault
+        )
 
     return Strategy(
         "exact",
@@ -90,7 +113,11 @@ def exact(virtual_replicas: int, *, shard_optimizer_state: bool = False) -> Stra
         zero1_place if shard_optimizer_state else replicate_state,
         compiler_options=EXACT_COMPILER_OPTIONS,
         # The global values, on every replica alike.
-        metric_rules=(("loss", metrics.same), ("virtual_replica_loss", metrics.same)),
+        metric_rules=(
+            ("loss", metrics.same),
+            ("virtual_replica_loss", metrics.same),
+            *((("recompute", metrics.exact_int),) if recompute_every is not None else ()),
+        ),
     )
 
 
@@ -160,6 +187,8 @@ def exact_gradients(
     rng: jax.Array | None,
     virtual_replicas: int,
     axis_name: str,
+    recompute_every: int | None = None,
+    fault: jax.Array | None = None,
 ) -> Reduced:
     """This step's exact global gradient, loss, model state and aux.
 
@@ -172,10 +201,15 @@ def exact_gradients(
         each virtual replica folds in its global index.
       virtual_replicas: G.
       axis_name: the data axis.
+      recompute_every: check each device's computation every this many
+        steps (:mod:`jdp.strategies._recompute`), or None.
+      fault: a gradient fault's spec (``jdp.testing.with_faults``), or None.
     """
     n = lax.axis_size(axis_name)
     per_device = virtual_replicas // n
-    outs = _this_devices_virtual_replicas(forward, state, batch, rng, virtual_replicas, axis_name)
+    outs, check = _this_devices_virtual_replicas(
+        forward, state, batch, rng, virtual_replicas, axis_name, recompute_every, fault
+    )
     weighted = outs.weight is not None
     weights = outs.weight if weighted else jnp.ones((per_device,), jnp.float32)
     zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
@@ -211,11 +245,13 @@ def exact_gradients(
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
     mine = shared_weight if weighted else None
-    if "virtual_replica_loss" in aux:
+    own = {"virtual_replica_loss": every, **({} if check is None else {"recompute": check})}
+    if set(own) & set(aux):
         raise ValueError(
-            "jdp.strategies.exact: aux key 'virtual_replica_loss' is reserved for exact mode's own metric; rename it."
+            f"jdp.strategies.exact: aux keys {sorted(set(own) & set(aux))} are reserved for exact "
+            "mode's own metrics; rename them."
         )
-    return Reduced(grads, loss, mine, model_state, {**aux, "virtual_replica_loss": every})
+    return Reduced(grads, loss, mine, model_state, {**aux, **own})
 
 
 def _this_devices_virtual_replicas(
@@ -225,25 +261,55 @@ def _this_devices_virtual_replicas(
     rng: jax.Array | None,
     virtual_replicas: int,
     axis_name: str,
+    recompute_every: int | None = None,
+    fault: jax.Array | None = None,
 ):
-    """Each of this device's virtual replicas' contribution, stacked; keys by global index."""
+    """``(contributions, check)``: this device's virtual replicas' contributions, stacked,
+    and the ``recompute`` metric (None without ``recompute_every``); keys by global index."""
     n = lax.axis_size(axis_name)
     micro = _virtual_replicas_here(batch, virtual_replicas, n)
     per_device = virtual_replicas // n
-    first = lax.axis_index(axis_name) * per_device
-    return _each_virtual_replica(
+    index = lax.axis_index(axis_name) * per_device + jnp.arange(per_device, dtype=jnp.int32)
+    extra = None
+    if recompute_every is not None:
+        extra = _recompute.plan(state.step, recompute_every, micro, per_device, axis_name)
+        micro = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), micro, extra.micro)
+        index = jnp.concatenate([index, extra.virtual_replicas])
+    buffers, run = _each_virtual_replica(
         axis_name,
         lambda j, micro_batch: forward(
             state,
             state.params,
             state.model_state,
             micro_batch,
-            None if rng is None else jax.random.fold_in(rng, first + j),
+            None if rng is None else jax.random.fold_in(rng, index[j]),
         ),
         micro,
-        per_device,
         opaque_zero=(state.step < 0).astype(jnp.int32),
     )
+    flip = functools.partial(_flip, index=index, fault=fault, state=state, axis_name=axis_name)
+    if extra is None:
+        own = jax.tree.map(lambda b: b[:per_device], run(buffers, 0, per_device))
+        return flip(own, first=per_device), None
+    buffers = run(buffers, 0, per_device + extra.checked.astype(jnp.int32))
+    # A fault is transient: it hits a device's first computation of a virtual replica only.
+    buffers = flip(buffers, first=per_device + (n > 1))
+
+    def arbitrate(buffers: PyTree, failed: jax.Array) -> PyTree:
+        third = run(buffers, per_device + 1, per_device + 1 + failed.astype(jnp.int32))
+        return flip(third, first=per_device + 2, after=per_device + 1 + (n <= 2))
+
+    buffers, metric = _recompute.check(extra, buffers, arbitrate, per_device, axis_name)
+    return jax.tree.map(lambda b: b[:per_device], buffers), metric
+
+
+def _flip(buffers, *, index, fault, state, axis_name, first, after=0):
+    """``buffers`` with a gradient fault (``jdp.testing.with_faults``) in rows ``after:first``."""
+    if fault is None:
+        return buffers
+    rows = jnp.arange(index.size)
+    live = jnp.where((rows >= after) & (rows < first), index, -1)
+    return buffers._replace(grads=flip_rows(buffers.grads, live, fault, state.step + 1, axis_name))
 
 
 def _virtual_replicas_here(batch: PyTree, virtual_replicas: int, n: int) -> PyTree:
@@ -264,8 +330,9 @@ def _virtual_replicas_here(batch: PyTree, virtual_replicas: int, n: int) -> PyTr
     return jax.tree.map(lambda x: x.reshape((per_device, size // per_device) + x.shape[1:]), batch)
 
 
-def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_zero: jax.Array):
-    """``fn(j, micro[j])`` for each j, one at a time, outputs stacked.
+def _each_virtual_replica(axis_name: str, fn, micro: PyTree, opaque_zero: jax.Array):
+    """``(buffers, run)``: ``run(buffers, start, stop)`` puts ``fn(j, micro[j])`` in row j
+    of ``buffers``, for each j in ``start:stop``, one at a time.
 
     A collective over ``axis_name`` in ``fn`` (the loss) is refused: inside
     the loop it would see one virtual replica per device, so the objective
@@ -275,14 +342,16 @@ def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_
     inlined pass fuses differently (measured: batch-norm variances 1 ulp off
     at n = G; an optimization barrier on the trip count did not prevent it).
     The trip count adds ``opaque_zero``, a zero computed from the input
-    (``step < 0``), so XLA cannot prove it. Convolutions are rewritten into
-    XLA:CPU's canonical order (:mod:`jdp._conv_layout`), which XLA does only
-    outside loops.
+    (``step < 0``), so XLA cannot prove it. Every ``run`` uses the same
+    body, so a row computed in a second loop has the bits of the first.
+    Convolutions are rewritten into XLA:CPU's canonical order
+    (:mod:`jdp._conv_layout`), which XLA does only outside loops.
     """
     # One trace serves the refusal, the buffers' shapes and every iteration.
     closed, template = jax.make_jaxpr(fn, return_shape=True)(0, jax.tree.map(lambda x: x[0], micro))
     refuse_collectives(closed.jaxpr, axis_name, _refusal)
     structure = jax.tree.structure(template)
+    count = jax.tree.leaves(micro)[0].shape[0]
     rows = max(count, 2)  # a one-row axis would make the index provably 0
     if count < rows:
         micro = jax.tree.map(lambda x: jnp.concatenate([x] * rows), micro)
@@ -295,8 +364,10 @@ def _each_virtual_replica(axis_name: str, fn, micro: PyTree, count: int, opaque_
         )
         return jax.tree.map(lambda b, o: lax.dynamic_update_index_in_dim(b, o, j, 0), buffers, out)
 
-    buffers = lax.fori_loop(0, count + opaque_zero, body, buffers)
-    return jax.tree.map(lambda b: b[:count], buffers)
+    def run(buffers: PyTree, start, stop) -> PyTree:
+        return lax.fori_loop(start, stop + opaque_zero, body, buffers)
+
+    return buffers, run
 
 
 def _opaque_update(update: UpdateFn) -> UpdateFn:
