@@ -5,7 +5,9 @@ python -m jdp.launch --processes 2 --devices-per-process 2 tests/scripts/multipr
 MODE "faults": 20 random one-bit faults, each in a fresh exact-mode state, on
 any replica of any process; process 0 writes each fault and the audit result
 the step returned (the same on every replica) to OUT. MODE "stop": one fault
-on replica 3 (process 1) with on_mismatch="stop"; the job must end.
+on replica 3 (process 1) with on_mismatch="stop"; the job must end. MODE
+"recompute": 20 random faults in one device's gradients under exact mode's
+recompute_every=1; process 0 writes each expected and returned row.
 """
 
 import sys
@@ -21,7 +23,23 @@ import jdp  # noqa: E402
 from tests import models, test_audit  # noqa: E402
 
 
+def recompute(out):
+    from tests import test_recompute
+
+    step = jdp.shard_map(test_recompute.per_replica(audit=jdp.Audit(on_mismatch="warn")))
+    rng = np.random.default_rng(4)
+    found = []
+    for _ in range(20):
+        fault, expected = test_recompute.random_fault(rng, 4)
+        found.append([expected, test_recompute.faulty_run(step, fault)])
+    devices = [d.process_index for d in step.mesh.devices.flat]
+    if jax.process_index() == 0:
+        np.savez(out, found=np.asarray(found), processes=np.asarray(devices))
+
+
 def main(out, mode):
+    if mode == "recompute":
+        return recompute(out)
     policy = "stop" if mode == "stop" else "warn"
     step = jdp.shard_map(
         jdp.testing.with_faults(
