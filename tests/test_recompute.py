@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jdp
-from tests import models
+from tests import models, zoo
 
 BATCH = 32
 G = 8
@@ -237,3 +237,52 @@ def test_faults_across_two_processes_are_pinned(tmp_path):
     for expected, got in found:
         assert got == expected
     assert {processes[e[5]] for e, _ in found} == {0, 1}  # culprits on both processes
+
+
+@pytest.mark.parametrize(
+    "family", ["mlp", "cnn", "transformer", "nnx", "moe_counter", "weight_zero_step"]
+)
+def test_zoo_families_agree_when_checked_and_keep_their_bits(family, monkeypatch):
+    """Dropout keys, batch norm, a loss scale, a weighted loss, NNX RNG state, int32 state, weight 0."""
+    make_plain, state, batches = zoo.FAMILIES[family]()
+    exact = jdp.strategies.exact
+    monkeypatch.setattr(jdp.strategies, "exact", functools.partial(exact, recompute_every=1))
+    make_checked, _, _ = zoo.FAMILIES[family]()
+    monkeypatch.undo()
+    plain = models.backend("shard_map", make_plain(), 1)
+    checked = models.backend("shard_map", make_checked(), 4)
+    a, b = plain.replicate(state), checked.replicate(state)
+    for i, batch in enumerate(batches):
+        a, _ = plain(a, plain.shard(batch))
+        b, metrics = checked(b, checked.shard(batch))
+        assert first(metrics["recompute"]) == [i + 1] + [-1] * 6, family
+    checked.check_audit()
+    ours, theirs = checked.unreplicate(b), plain.unreplicate(a)
+    for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        x, y = (jax.random.key_data(v) if jdp._tree.is_prng_key(v) else v for v in (x, y))
+        assert np.array_equal(np.asarray(x), np.asarray(y)), family
+
+
+def test_the_split_optimizer_state_and_a_wrapper_that_drops_the_metric(backend):
+    strategy = jdp.strategies.exact(G, shard_optimizer_state=True, recompute_every=1)
+    split = models.backend(backend, jdp.make_train_step(models.mlp_loss, strategy=strategy), 4)
+    plain = checked(backend, 1, faults=False)
+    state, metrics = run(split, split.replicate(initial_state()), DATA[:3])
+    reference, _ = run(plain, plain.replicate(initial_state()), DATA[:3])
+    assert [m[1] for m in metrics] == [-1, -1, -1]
+    for x, y in zip(
+        jax.tree.leaves(split.unreplicate(state)),
+        jax.tree.leaves(plain.unreplicate(reference)),
+        strict=True,
+    ):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    base = per_replica(faults=False)
+
+    @jdp.wraps(base)
+    def dropping(state, batch):
+        state, metrics = base(state, batch)
+        return state, {"loss": metrics["loss"]}
+
+    step = models.backend(backend, dropping, 8)
+    with pytest.raises(ValueError, match=r"metrics hold no 'recompute' entry: a wrapper"):
+        step(step.replicate(initial_state()), step.shard(DATA[0]))
