@@ -7,13 +7,22 @@ Cost: the bench MLP of benchmarks/run.py (784-512-512-10, Adam, global batch
   audit@1    make_train_step(loss, audit=jdp.Audit(every=1))
   audit@100  make_train_step(loss, audit=jdp.Audit(every=100))
 
+and exact mode's recomputation check, against exact mode without it:
+
+  exact          make_train_step(loss, strategy=exact(8))              (reference)
+  recompute@1    strategy=exact(8, recompute_every=1)
+  recompute@8    strategy=exact(8, recompute_every=8)
+  recompute@100  strategy=exact(8, recompute_every=100)
+
 Rounds are interleaved so machine noise hits every variant alike; each
 figure is the median over rounds of the mean step time of ``--steps`` calls;
-the ratio is audited/plain step time (goal at every=1: <= 1.005).
+the ratio is audited/plain step time (goal at every=1: <= 1.005), and
+checked/exact step time.
 
 False alarms: ``--clean`` clean steps of a tiny MLP at 8 devices with
-audit every step, for data_parallel and exact mode on both backends; the
-count of steps whose audit did not report agreement (goal: 0).
+audit every step, for data_parallel and exact mode (with recompute_every=1)
+on both backends; the count of steps whose audit or recomputation did not
+report agreement (goal: 0).
 
 Usage: python benchmarks/audit.py [--rounds 7] [--steps 50] [--clean 10000] [--json out.json]
 """
@@ -42,20 +51,35 @@ def variant(backend, every):
     return BACKENDS[backend](jdp.make_train_step(bench.loss_fn, audit=audit))
 
 
+def exact_variant(backend, every):
+    strategy = jdp.strategies.exact(8, recompute_every=every)
+    return BACKENDS[backend](jdp.make_train_step(bench.loss_fn, strategy=strategy))
+
+
+VARIANTS = {
+    "audit": (variant, {"plain": None, "audit@1": 1, "audit@100": 100}),
+    "recompute": (
+        exact_variant,
+        {"exact": None, "recompute@1": 1, "recompute@8": 8, "recompute@100": 100},
+    ),
+}
+
+
 def cost(rounds, steps):
     out = {}
     for backend in BACKENDS:
-        variants = {"plain": None, "audit@1": 1, "audit@100": 100}
-        runners = {name: variant(backend, every) for name, every in variants.items()}
-        states, batches = bench.warmed(runners)
-        times = bench.time_rounds(runners, states, batches, rounds, steps)
-        for step in runners.values():
-            step.check_audit()
-        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
-        out[backend] = {
-            "ms": ms,
-            "ratio": {name: ms[name] / ms["plain"] for name in variants if name != "plain"},
-        }
+        for check, (make, variants) in VARIANTS.items():
+            runners = {name: make(backend, every) for name, every in variants.items()}
+            states, batches = bench.warmed(runners)
+            times = bench.time_rounds(runners, states, batches, rounds, steps)
+            for step in runners.values():
+                step.check_audit()
+            ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            reference = next(iter(variants))
+            out[f"{backend}/{check}"] = {
+                "ms": ms,
+                "ratio": {name: ms[name] / ms[reference] for name in variants if name != reference},
+            }
     return out
 
 
@@ -63,7 +87,8 @@ def false_alarms(clean):
     out = {}
     data = [models.regression_batch(32, seed=50 + i) for i in range(16)]
     for backend in BACKENDS:
-        for mode, strategy in (("data_parallel", None), ("exact", jdp.strategies.exact(8))):
+        exact = jdp.strategies.exact(8, recompute_every=1)
+        for mode, strategy in (("data_parallel", None), ("exact", exact)):
             step = BACKENDS[backend](
                 jdp.make_train_step(models.mlp_loss, strategy=strategy, audit=jdp.Audit())
             )
@@ -74,10 +99,10 @@ def false_alarms(clean):
             results = []
             for i in range(clean):
                 state, m = step(state, batches[i % len(batches)])
-                results.append(m["audit"])
+                results.append([m[k] for k in ("audit", "recompute") if k in m])
             step.check_audit()
-            replicas = np.asarray([np.asarray(r)[0][1] for r in results])
-            out[f"{backend}/{mode}"] = int(np.sum(replicas != -1))
+            alarms = [any(np.asarray(r)[0][1] != -1 for r in rs) for rs in results]
+            out[f"{backend}/{mode}"] = int(np.sum(alarms))
     return out
 
 
@@ -89,13 +114,19 @@ def main():
     parser.add_argument("--json")
     args = parser.parse_args()
     costs = cost(args.rounds, args.steps)
-    print(f"jdp.Audit on the bench MLP, 8 CPU devices, median of {args.rounds} rounds:")
+    print(
+        "jdp.Audit and exact mode's recompute_every on the bench MLP, 8 CPU devices, "
+        f"median of {args.rounds} rounds:"
+    )
     for backend, row in costs.items():
         ms = "  ".join(f"{k} {v:.2f} ms" for k, v in row["ms"].items())
         ratio = "  ".join(f"{k} {v:.3f}x" for k, v in row["ratio"].items())
-        print(f"  {backend:9s} {ms}   ratio {ratio}")
+        print(f"  {backend:19s} {ms}   ratio {ratio}")
     alarms = false_alarms(args.clean)
-    print(f"false alarms in {args.clean} clean steps (tiny MLP, 8 devices, audit every step):")
+    print(
+        f"false alarms in {args.clean} clean steps (tiny MLP, 8 devices, audit and "
+        "exact mode's recomputation every step):"
+    )
     for name, count in alarms.items():
         print(f"  {name:24s} {count}")
     if args.json:
