@@ -94,7 +94,7 @@ def check(
     """
     n = lax.axis_size(axis_name)
     row = lambda i, b: jax.tree.map(lambda x: x[i], b)  # noqa: E731
-    width = jax.tree.structure(buffers.grads).num_leaves + 1
+    width = len(jax.tree.leaves(buffers.grads)) + 1
 
     def pair() -> jax.Array:
         return jnp.stack([hashes(row(extra.row, buffers)), hashes(row(per_device, buffers))])
@@ -112,8 +112,8 @@ def check(
     with_owner = jnp.all(arbiter == by_owner[owner, 0])
     with_recomputer = jnp.all(arbiter == by_owner[owner, 1])
     odd = jnp.where(with_owner, (owner + 1) % n, jnp.where(with_recomputer, owner, -1))
-    found = [extra.step, owner * per_device + extra.row, owner, (owner + 1) % n, (owner + 2) % n]
-    found = jnp.stack([*found, odd, leaf]).astype(jnp.int32)
+    devices = [owner, (owner + 1) % n, (owner + 2) % n]
+    found = jnp.stack([extra.step, owner * per_device + extra.row, *devices, odd, leaf])
     code = jnp.where(extra.checked, AGREED, NOT_CHECKED)
     quiet = jnp.stack([extra.step, *[code] * (WIDTH - 1)]).astype(jnp.int32)
-    return buffers, jnp.where(failed, found, quiet)
+    return buffers, jnp.where(failed, found.astype(jnp.int32), quiet)
