@@ -34,7 +34,6 @@ from jdp._forward import Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
 from jdp._weighting import safe_divide
-from jdp.strategies import _recompute
 from jdp.strategies._base import (
     Reduced,
     Strategy,
@@ -44,6 +43,8 @@ from jdp.strategies._base import (
     replicate_state,
     whole_state_update,
 )
+from jdp.strategies._recompute import check as recompute_check
+from jdp.strategies._recompute import plan as recompute_plan
 from jdp.strategies._zero1 import cut_for_update, gather_cut, update_cut
 from jdp.strategies._zero1 import place as zero1_place
 
@@ -274,7 +275,7 @@ def _this_devices_virtual_replicas(
     key_index = lambda j: first + j  # noqa: E731
     extra = None
     if recompute_every is not None:
-        extra = _recompute.plan(state.step, recompute_every, micro, per_device, axis_name)
+        extra = recompute_plan(state.step, recompute_every, micro, per_device, axis_name)
         micro = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), micro, extra.micro)
         index = jnp.concatenate([index, extra.virtual_replicas])
         theirs = extra.virtual_replicas
@@ -309,7 +310,7 @@ def _this_devices_virtual_replicas(
         third = run(buffers, per_device + 1, per_device + 1 + failed.astype(jnp.int32))
         return flip(third, first=per_device + 2, after=per_device + 1 + (n <= 2))
 
-    buffers, metric = _recompute.check(extra, buffers, arbitrate, per_device, axis_name)
+    buffers, metric = recompute_check(extra, buffers, arbitrate, per_device, axis_name)
     return jax.tree.map(lambda b: b[:per_device], buffers), metric
 
 
