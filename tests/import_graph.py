@@ -28,7 +28,7 @@ LAYERS = [
     ["jdp._replication", "jdp._state"],
     ["jdp._forward", "jdp._update"],
     ["jdp.metrics._base", "jdp.metrics._builtin", "jdp.metrics._fingerprint", "jdp.metrics"],
-    ["jdp._audit"],
+    ["jdp._audit", "jdp._phases"],
     [
         "jdp.strategies._base",
         "jdp.strategies._elementwise",
@@ -44,7 +44,7 @@ LAYERS = [
     ["jdp.backends._checks", "jdp.backends._runner"],
     ["jdp.backends._shard_map", "jdp.backends._pmap"],
     ["jdp.backends"],
-    ["jdp._faults"],
+    ["jdp._faults", "jdp._replay"],
     [
         "jdp.testing",
         "jdp._evaluation",

@@ -27,7 +27,7 @@ _LANES = (0x9E3779B1, 0x85EBCA77)
 _SALTS = (0xC2B2AE3D, 0x27D4EB2F)
 
 
-def _words(x: jax.Array) -> jax.Array:
+def leaf_words(x: jax.Array) -> jax.Array:
     """The raw bits of ``x`` as flat uint32 words (narrow dtypes widened, wide ones split)."""
     if is_prng_key(x):
         x = jax.random.key_data(x)
@@ -43,7 +43,7 @@ def _words(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(x, jnp.uint32).reshape(-1)  # 8 bytes: two words each
 
 
-def _leaf_hash(words: jax.Array, offset: jax.Array, leaf: int) -> jax.Array:
+def leaf_hash(words: jax.Array, offset: jax.Array, leaf: int) -> jax.Array:
     positions = offset + jnp.arange(words.size, dtype=jnp.uint32)
     lanes = []
     for lane, salt in zip(_LANES, _SALTS, strict=True):
@@ -62,7 +62,7 @@ def leaf_hashes(state: PyTree) -> jax.Array:
     """
     split = _layout.per_replica_leaves(state)
     rows = [
-        jnp.zeros(2, jnp.uint32) if per_replica else _leaf_hash(_words(x), jnp.uint32(0), i)
+        jnp.zeros(2, jnp.uint32) if per_replica else leaf_hash(leaf_words(x), jnp.uint32(0), i)
         for i, (x, per_replica) in enumerate(zip(jax.tree.leaves(state), split, strict=True))
     ]
     return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
@@ -77,8 +77,8 @@ def _split_rows(state: PyTree, axis_name: str) -> jax.Array:
         if not per_replica:
             rows.append(jnp.zeros(2, jnp.uint32))
             continue
-        words = _words(x)
-        rows.append(_leaf_hash(words, index * jnp.uint32(words.size), i))
+        words = leaf_words(x)
+        rows.append(leaf_hash(words, index * jnp.uint32(words.size), i))
     return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
 
 

@@ -1,10 +1,12 @@
 """The ordinary data-parallel strategy: every replica holds everything, one all-reduce."""
 
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
 from jax import lax
 
+from jdp import _phases
 from jdp._args import check_int
 from jdp._forward import Contribution, Forward, accumulate, replica_rng
 from jdp._state import TrainState
@@ -98,16 +100,29 @@ def local_contribution(
     axis_name: str,
     accumulate_steps: int,
     probe: Forward | None = None,
+    split: Sequence[bool] | None = None,
 ) -> Contribution:
-    """This replica's contribution, with its own key per replica and step."""
+    """This replica's contribution, with its own key per replica and step.
+
+    ``split``: per gradient leaf, whether the forward returns this replica's
+    slice of it (fsdp), for :func:`jdp.verify.replay`'s fingerprints.
+    """
     rng = None if state.rng is None else replica_rng(state.rng, state.step, axis_name)
-    return accumulate(forward, state, batch, rng, accumulate_steps, axis_name, probe)
+    local = accumulate(forward, state, batch, rng, accumulate_steps, axis_name, probe)
+    _phases.mark_contribution(local, axis_name, split=split)
+    return local
 
 
-def reduced(local: Contribution, grads: PyTree, axis_name: str) -> Reduced:
-    """The step's result from this replica's contribution and the reduced gradients."""
+def reduced(
+    local: Contribution, grads: PyTree, axis_name: str, split: Sequence[bool] | None = None
+) -> Reduced:
+    """The step's result from this replica's contribution and the reduced gradients
+    (``split``: per leaf, whether this replica holds a slice of it)."""
     model_state = weighted_average(local.model_state, local.weight, axis_name)
     loss = local.total if local.weight is None else safe_divide(local.total, local.weight)
+    _phases.mark_gradients(
+        _phases.REDUCTION, grads, {"model_state": model_state}, axis_name, split=split
+    )
     return Reduced(grads, loss, local.weight, model_state, local.aux)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
-from jdp import _tree, metrics
+from jdp import _phases, _tree, metrics
 from jdp._args import check_int
 from jdp._bitflip import FaultedBatch, flip_rows
 from jdp._collectives import refuse_collectives
@@ -211,6 +211,7 @@ def exact_gradients(
     outs, check = _this_devices_virtual_replicas(
         forward, state, batch, rng, virtual_replicas, axis_name, recompute_every, fault
     )
+    _phases.mark_contribution(outs, axis_name, rows=True)
     weighted = outs.weight is not None
     weights = outs.weight if weighted else jnp.ones((per_device,), jnp.float32)
     zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
@@ -246,6 +247,7 @@ def exact_gradients(
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
     mine = shared_weight if weighted else None
+    _phases.mark_gradients(_phases.REDUCTION, grads, {"model_state": model_state}, axis_name)
     own = {"virtual_replica_loss": every, **({} if check is None else {"recompute": check})}
     if set(own) & set(aux):
         raise ValueError(

@@ -316,9 +316,10 @@ def fsdp(
             axis_name,
             accumulate_steps,
             probe=partial(forward, view=partial(view, probe=True), zero_weightless=False),
+            split=[shape is not None for shape in shapes],
         )
         grads = _finish(local.grads, shapes, axis_name, reduce, local.weight, communication)
-        return reduced(local, grads, axis_name)
+        return reduced(local, grads, axis_name, [shape is not None for shape in shapes])
 
     def whole_params(state: TrainState, axis_name: str) -> PyTree:
         shapes = state.params.logical_shapes

@@ -92,7 +92,9 @@ def zero1(
         grads = reduce_scatter_gradients(
             local.grads, axis_name, reduce, local.weight, communication
         )
-        return reduced(local, grads, axis_name)
+        n = lax.axis_size(axis_name)
+        split = [is_sharded_param(x.shape, n) for x in jax.tree.leaves(local.grads)]
+        return reduced(local, grads, axis_name, split)
 
     return Strategy("zero1", gradients, apply_sharded, sharded_norm, place)
 
