@@ -260,7 +260,7 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
     tree = _layout.shared(tree)
     _check_replicated(tree, "jdp.assert_replicas_in_sync")
     for name, leaf in leaves_with_paths(tree, "jdp.assert_replicas_in_sync: the input"):
-        replicas = _replicas(leaf)
+        replicas = replica_rows(leaf)
         _assert_rows_close(name, replicas, atol, "replica", "Replicas", "replica 0")
         if several:
             rows = list(np.asarray(multihost_utils.process_allgather(replicas[0])))
@@ -280,7 +280,8 @@ def _assert_rows_close(
             )
 
 
-def _replicas(x) -> list[np.ndarray]:
+def replica_rows(x) -> list[np.ndarray]:
+    """Each replica's copy of a replicated leaf, as host arrays, in replica order."""
     if is_prng_key(x):
         x = jax.random.key_data(x)
     layout = _layout.layout_of_leaf(x)

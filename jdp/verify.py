@@ -23,10 +23,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
+from jdp import _phases, _replay
 from jdp._checkpoint import Checkpointer
 from jdp._loop import History
+from jdp._replay import PhaseDifference
+from jdp._state import TrainState
 
-__all__ = ["Difference", "Report", "compare_checkpoints", "compare_histories", "main"]
+__all__ = [
+    "Difference",
+    "PhaseDifference",
+    "Report",
+    "compare_checkpoints",
+    "compare_histories",
+    "main",
+    "replay",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +148,110 @@ class Report:
     def identical(self) -> bool:
         """Whether the runs agree wherever both recorded a fingerprint."""
         return self.history is None and self.checkpoint is None
+
+
+def replay(
+    step_a: Any,
+    step_b: Any,
+    state: TrainState,
+    batches: Sequence[Any],
+    *,
+    batches_b: Sequence[Any] | None = None,
+) -> PhaseDifference | None:
+    """Replays steps on two configurations and names the first phase whose output differs.
+
+    Both steps start from ``state`` (one copy on the host, e.g. the last
+    checkpoint two runs agree on, restored) and take ``batches`` (the global
+    batches that followed it), compiled anew so that each phase sends its
+    per-leaf fingerprints to the host: every replica's forward and backward
+    pass, the reduction, the update, and the state the step returned. In
+    exact mode the phases hash the same bits on every device count and
+    backend; elsewhere compare configurations with the same device count
+    (the forward/backward phase sums each replica's own gradients, which
+    depend on how the batch is split).
+
+    Args:
+      step_a: a training step wrapped by a backend (``jdp.shard_map(...)``).
+      step_b: another, e.g. on another device count, backend or version, or
+        the same step with a fault.
+      state: the ``jdp.TrainState`` both start from, one copy on the host.
+      batches: the global batches to replay, in order.
+      batches_b: the batches ``step_b`` takes, where their form differs
+        (``jdp.testing.with_faults`` adds the fault rows); default
+        ``batches``.
+
+    Returns:
+      The first step and phase that differ, with the leaves and the
+      replicas, or None when every replayed step agrees (a difference
+      between the recorded runs that does not recur, such as a transient
+      hardware fault).
+
+    Raises:
+      TypeError: a step not built by ``jdp.make_train_step`` and wrapped
+        by a backend, or a state that is not a ``jdp.TrainState``.
+      ValueError: no batch, several processes, or steps whose phases hold
+        different leaves (another model or optimizer).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jdp, jdp.verify
+      >>> def build(n):
+      ...     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
+      ...     return jdp.shard_map(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2),
+      ...         strategy=jdp.strategies.exact(8)), mesh=mesh)
+      >>> state = jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1))
+      >>> batches = [np.arange(16, dtype=np.float32)] * 2
+      >>> print(jdp.verify.replay(build(1), build(8), state, batches))
+      None
+    """
+    _replay.check_runner(step_a, "step_a")
+    _replay.check_runner(step_b, "step_b")
+    _check_replay_inputs(state, batches)
+    if batches_b is None:
+        batches_b = batches
+    _check_replay_inputs(state, batches_b)
+    if len(batches_b) != len(batches):
+        raise ValueError(
+            f"jdp.verify.replay: batches_b has length {len(batches_b)} and batches "
+            f"{len(batches)}; pass one for each replayed step."
+        )
+    runners = [step.with_step(step.step) for step in (step_a, step_b)]
+    records = [_phases.Record(), _phases.Record()]
+    states = [runner.replicate(state) for runner in runners]
+    for pair in zip(batches, batches_b, strict=True):
+        seen = []
+        for i, (runner, record) in enumerate(zip(runners, records, strict=True)):
+            states[i], phases = _replay.run_observed(runner, states[i], pair[i], record)
+            seen.append(phases)
+        if not seen[0] and not seen[1]:
+            raise ValueError(
+                "jdp.verify.replay: the steps marked no phase; a step must call the step "
+                "jdp.make_train_step built (a plain function, or one that hides it, cannot be replayed)."
+            )
+        step = int(jax.device_get(runners[0].unreplicate(states[0].step)))
+        found = _replay.phase_difference(step, seen, records)
+        found = found or _replay.after_difference(step, runners, states)
+        if found is not None:
+            return found
+    return None
+
+
+def _check_replay_inputs(state: object, batches: object) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            "jdp.verify.replay: state must be a jdp.TrainState (one copy on the host, e.g. "
+            f"jdp.Checkpointer(...).restore(step, template)), got {type(state).__name__}."
+        )
+    if not isinstance(batches, Sequence) or isinstance(batches, (str, bytes)):
+        raise TypeError(
+            "jdp.verify.replay: batches must be a list of global batches, got "
+            f"{type(batches).__name__}."
+        )
+    if not batches:
+        raise ValueError("jdp.verify.replay: batches is empty; pass the batches to replay.")
+    if jax.process_count() > 1:
+        raise ValueError(
+            "jdp.verify.replay runs in one process; replay the step on this host's devices."
+        )
 
 
 # Each run's record: {step: (the state's fingerprint, {leaf name: its fingerprint} or None)}.

@@ -108,3 +108,33 @@ def test_verify_refuses_what_it_cannot_compare(tmp_path, capsys):
             ckpt.save(1, state)
     # No history, but the checkpoints' fingerprints compare.
     assert jdp.verify.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+
+
+def test_replay_from_the_last_agreed_checkpoint_names_the_phase_and_the_leaf(runs):
+    root, _, leaf = runs
+    _, template, _ = zoo.transformer()
+    with jdp.Checkpointer(root / "one") as ckpt:  # step 30: the last checkpoint both agree on
+        state, _ = ckpt.restore(template, 30, place=lambda tree: tree)
+    batches = zoo.lm_batches(STEPS)[30:FAULT_STEP]
+    one, eight = jdp.pmap(lm_step(), devices=jax.devices()[:1]), jdp.shard_map(lm_step())
+    # Replayed alike (on 1 device under pmap, 8 under shard_map), the runs agree:
+    # the fault did not recur (it was transient).
+    assert jdp.verify.replay(one, eight, state, batches) is None
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    fault = Fault(step=FAULT_STEP, replica=3, leaf=paths.index(leaf), index=7, bit=12)
+    rows = [(b, fault.rows(len(b["tokens"]))) for b in batches]
+    faulty = jdp.shard_map(lm_step(faults=True))
+    found = jdp.verify.replay(one, faulty, state, batches, batches_b=rows)
+    assert found == jdp.verify.PhaseDifference(FAULT_STEP, "after the update", (leaf,), (("b", 3),))
+    # The same bit flipped in one virtual replica's gradients, computed on device 3.
+    params = [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    ]
+    param = leaf.removeprefix(".params")
+    fault = Fault(FAULT_STEP, 3, params.index(param), 7, 12, virtual_replica=3)
+    rows = [(b, fault.rows(len(b["tokens"]))) for b in batches]
+    faulty = jdp.shard_map(with_faults(lm_step(), "gradients"))
+    found = jdp.verify.replay(one, faulty, state, batches, batches_b=rows)
+    assert found == jdp.verify.PhaseDifference(
+        FAULT_STEP, "forward/backward", ("['grads']" + param,), ()
+    )
