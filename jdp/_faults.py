@@ -94,6 +94,10 @@ def with_faults(step: TrainStep, target: str = "state") -> TrainStep:
         raise TypeError(
             f"jdp.testing.with_faults takes a step built by jdp.make_train_step, got {type(step).__name__}."
         )
+    if not isinstance(target, str):
+        raise TypeError(
+            f"jdp.testing.with_faults: target must be a string, 'state' or 'gradients', got {target!r}."
+        )
     if target not in ("state", "gradients"):
         raise ValueError(
             f"jdp.testing.with_faults: target must be 'state' or 'gradients', got {target!r}."

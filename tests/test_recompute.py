@@ -216,6 +216,8 @@ def test_arguments_are_checked():
         jdp.testing.with_faults(jdp.make_train_step(models.mlp_loss), target="gradients")
     with pytest.raises(ValueError, match=r"target must be 'state' or 'gradients', got 'grads'"):
         jdp.testing.with_faults(jdp.make_train_step(models.mlp_loss), target="grads")
+    with pytest.raises(TypeError, match=r"target must be a string, 'state' or 'gradients', got 1"):
+        jdp.testing.with_faults(jdp.make_train_step(models.mlp_loss), target=1)  # type: ignore[arg-type]
 
 
 def test_an_aux_named_recompute_is_refused(backend):
