@@ -19,6 +19,7 @@ jdp.force_cpu_devices(8)
 # never a test.
 LONGEST_FIRST = (
     "test_zoo.py",
+    "test_zoo_processes.py",
     "test_fsdp.py",
     "test_restarts.py",
     "test_examples.py",
@@ -30,6 +31,7 @@ LONGEST_FIRST = (
     "test_step.py",
     "test_notebooks.py",
     "test_audit.py",
+    "test_replay.py",
     "test_misuse.py",
     "test_docs.py",
 )

@@ -1,6 +1,7 @@
 """Exact mode: bitwise the same result on any number of devices and processes.
 
-Every model family, on 1, 2, 4, 8 devices and across processes: tests/test_zoo.py.
+Every model family, on 1, 2, 4, 8 devices: tests/test_zoo.py; across processes:
+tests/test_zoo_processes.py.
 """
 
 import pathlib

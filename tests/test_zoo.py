@@ -1,4 +1,7 @@
-"""Exact mode on the model zoo: every family bitwise on 1, 2, 4, 8 devices and across processes."""
+"""Exact mode on the model zoo: every family bitwise on 1, 2, 4, 8 devices under both backends.
+
+Across processes: tests/test_zoo_processes.py.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -31,25 +34,6 @@ def test_family_is_bitwise_equal_on_1_2_4_8_devices_and_both_backends(family):
     for (path, a), b in zip(flat, jax.tree.leaves(results["pmap"][8]), strict=True):
         a, b = (np.asarray(jax.random.key_data(x) if is_prng_key(x) else x) for x in (a, b))
         np.testing.assert_array_equal(a, b, err_msg=f"pmap vs shard_map: {keystr(path)}")
-
-
-def test_zoo_on_two_processes_of_two_devices_equals_one_of_four(tmp_path):
-    out = {}
-    for processes, devices in [(2, 2), (1, 4)]:  # each run trains under both backends
-        path = tmp_path / f"{processes}x{devices}.npz"
-        models.launch("multiprocess_zoo.py", processes, devices, path, timeout=400)
-        out[processes] = np.load(path)
-    names = {tuple(name.split("/")[:2]) for name in out[1].files}
-    assert names == {(b, f) for b, families in zoo.ACROSS_PROCESSES.items() for f in families}
-    # The U-Net too: its depthwise conv's kernel gradient follows the CPU pool size,
-    # which jdp.distributed.initialize sizes by the job's devices (docs/exact.md).
-    assert set(zoo.ACROSS_PROCESSES["shard_map"]) == set(zoo.FAMILIES)
-    for name in out[1].files:
-        np.testing.assert_array_equal(out[1][name], out[2][name], err_msg=name)
-    # and the two backends agree across processes too
-    for name in (n for n in out[2].files if n.startswith("pmap/")):
-        shard_map_name = "shard_map/" + name.removeprefix("pmap/")
-        np.testing.assert_array_equal(out[2][name], out[2][shard_map_name], err_msg=name)
 
 
 def test_an_outer_jit_is_warned_and_exact_with_the_strategys_options():

@@ -1,4 +1,4 @@
-"""The exact-mode model zoo across processes, for tests/test_zoo.py.
+"""The exact-mode model zoo across processes, for tests/test_zoo_processes.py.
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zoo.py OUT
 
