@@ -112,6 +112,8 @@ def compare_checkpoints(run_a: str | pathlib.Path, run_b: str | pathlib.Path) ->
       >>> report = jdp.verify.compare_checkpoints(*runs)
       >>> report.checkpoint  # no history was logged; checkpoint 1 differs in one leaf
       Difference(step=1, leaves=('.params',), agreed=1, source='checkpoint')
+      >>> report.replay_from  # where jdp.verify.replay starts: the newest agreed checkpoint
+      0
     """
     with _open(run_a) as ckpt_a, _open(run_b) as ckpt_b:
         prints_a, prints_b = _recorded(ckpt_a), _recorded(ckpt_b)
@@ -148,6 +150,20 @@ class Report:
     def identical(self) -> bool:
         """Whether the runs agree wherever both recorded a fingerprint."""
         return self.history is None and self.checkpoint is None
+
+    @property
+    def replay_from(self) -> int | None:
+        """The newest checkpoint both runs hold, in agreement, before they first differ.
+
+        Where :func:`replay` starts: restore it, and replay the steps after
+        it. None where the runs agree or no such checkpoint precedes the
+        difference (replay from the initial state).
+        """
+        found = [d.step for d in (self.history, self.checkpoint) if d is not None]
+        if not found:
+            return None
+        earlier = [step for step in self.checkpoints if step < min(found)]
+        return max(earlier) if earlier else None
 
 
 def replay(
@@ -350,6 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for difference in (report.history, report.checkpoint):
         if difference is not None:
             print("\n".join(_describe(difference)))
+    start = report.replay_from
+    where = (
+        "the initial state" if start is None else f"checkpoint {start}, the newest both agree on"
+    )
+    print(f"  to name the phase, jdp.verify.replay the steps after {where}")
     return 1
 
 

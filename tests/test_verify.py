@@ -75,6 +75,7 @@ def test_exact_runs_on_1_and_8_devices_are_certified_identical(runs, capsys):
     assert [r["fingerprint"] for r in one.train] == [r["fingerprint"] for r in eight.train]
     report = jdp.verify.compare_checkpoints(root / "one", root / "eight")
     assert report.identical and report.history_compared and report.checkpoints == [20, 30, 40]
+    assert report.replay_from is None
     assert jdp.verify.main([str(root / "one"), str(root / "eight")]) == 0
     assert "agree wherever both recorded a fingerprint" in capsys.readouterr().out
 
@@ -92,6 +93,8 @@ def test_verify_names_the_step_and_the_leaf_a_fault_hit(runs, capsys):
     out = capsys.readouterr().out
     assert f"first differ at step {FAULT_STEP} (a logged step; the 36 compared before agree)" in out
     assert f"leaves that differ there (1): {leaf}" in out
+    assert report.replay_from == 30
+    assert "jdp.verify.replay the steps after checkpoint 30, the newest both agree on" in out
 
 
 def test_verify_refuses_what_it_cannot_compare(tmp_path, capsys):
