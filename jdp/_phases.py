@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdp import _layout
 from jdp._tree import PyTree
-from jdp.metrics._fingerprint import leaf_hash, leaf_words
+from jdp.metrics._fingerprint import logical_hashes
 
 FORWARD = "forward/backward"
 REDUCTION = "reduction"
@@ -90,7 +91,8 @@ def mark(
       axis_name: the data axis.
       split: per leaf, whether it is this replica's slice of a leaf split
         over the data axis (hashed at its global positions and summed over
-        replicas, so the rows are the same for every layout).
+        replicas, so the rows are the same for every layout); default the
+        tree's per-replica leaves (:func:`jdp._layout.per_replica_leaves`).
       rows: the leaves are stacked rows (exact mode's virtual replicas),
         each hashed alone and summed, so where a row is computed does not
         change the sum.
@@ -101,31 +103,13 @@ def mark(
     paths = jax.tree_util.tree_flatten_with_path(tree)[0]
     record.names.setdefault(phase, [jax.tree_util.keystr(path) for path, _ in paths])
     leaves = [x for _, x in paths]
-    split = [False] * len(leaves) if split is None else list(split)
-    index = lax.axis_index(axis_name)
-    hashes = _hashes(leaves, [not part for part in split], None, rows)
-    if any(split):  # slices at their global offsets, summed: the whole leaf's hash
-        hashes = hashes + lax.psum(_hashes(leaves, split, index, rows), axis_name)
-    jax.debug.callback(functools.partial(record.add, phase), index, hashes)
-
-
-def _hashes(leaves: list, chosen: list[bool], index: jax.Array | None, rows: bool) -> jax.Array:
-    """``(leaves, 2)`` uint32 for the ``chosen`` leaves (0 elsewhere); with ``index``, each is
-    this replica's slice of a leaf, hashed at its global offset."""
-    out = []
-    for i, (x, take) in enumerate(zip(leaves, chosen, strict=True)):
-        if not take:
-            out.append(jnp.zeros(2, jnp.uint32))
-            continue
-        one = lambda y, i=i: _one(y, i, index)  # noqa: E731
-        out.append(jnp.sum(jax.vmap(one)(x), axis=0, dtype=jnp.uint32) if rows else one(x))
-    return jnp.stack(out) if out else jnp.zeros((0, 2), jnp.uint32)
-
-
-def _one(x: jax.Array, i: int, index: jax.Array | None) -> jax.Array:
-    words = leaf_words(x)
-    offset = jnp.uint32(0) if index is None else index.astype(jnp.uint32) * jnp.uint32(words.size)
-    return leaf_hash(words, offset, i)
+    split = _layout.per_replica_leaves(tree) if split is None else list(split)
+    if rows:
+        each = jax.vmap(lambda row: logical_hashes(row, split, axis_name))(leaves)
+        hashes = jnp.sum(each, axis=0, dtype=jnp.uint32)
+    else:
+        hashes = logical_hashes(leaves, split, axis_name)
+    jax.debug.callback(functools.partial(record.add, phase), lax.axis_index(axis_name), hashes)
 
 
 def mark_gradients(
@@ -143,10 +127,7 @@ def mark_gradients(
     structure = jax.tree.structure(grads)
     flags = [False] * len(jax.tree.leaves(grads)) if split is None else list(split)
     tree = {"grads": grads, **others}
-    marks = {
-        "grads": jax.tree.unflatten(structure, flags),
-        **{k: jax.tree.map(lambda _: False, v) for k, v in others.items()},
-    }
+    marks = {"grads": jax.tree.unflatten(structure, flags), **jax.tree.map(lambda _: False, others)}
     mark(phase, tree, axis_name, split=jax.tree.leaves(marks), rows=rows)
 
 

@@ -16,7 +16,6 @@ from jdp._tree import PyTree
 from jdp.metrics import host_fingerprints
 
 AFTER = "after the update"
-PHASES = (*_phases.PHASES, AFTER)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from jax.typing import DTypeLike
 
-from jdp import _layout, _phases
+from jdp import _phases
 from jdp import metrics as _metrics
 from jdp._args import check_bool, check_name
 from jdp._audit import Audit
@@ -284,8 +284,7 @@ def _build_step(
         before = state
         model_state = out.model_state if has_model_state else None
         state, info = strategy.update(state, grads, model_state, axis_name)
-        split = _layout.per_replica_leaves(state)
-        _phases.mark(_phases.UPDATE, state, axis_name, split=split)
+        _phases.mark(_phases.UPDATE, state, axis_name)
         own = {"loss": out.loss, **info, **({} if out.weight is None else {"weight": out.weight})}
         clash = sorted(set(out.aux) & (set(own) | _RESERVED | {m.name for m in requested}))
         if clash:

@@ -37,17 +37,15 @@ def test_exact_mode_replays_bitwise_in_every_phase_on_any_device_count_and_backe
 def test_a_gradient_fault_is_named_in_the_forward_backward_phase(n, backend):
     r = np.random.RandomState(n)
     for _ in range(2):
-        leaf = int(r.randint(3))
+        leaf, virtual_replica = int(r.randint(3)), int(r.randint(8))
         fault = Fault(
             step=int(r.randint(1, 4)),
-            replica=int(r.randint(n)),
+            replica=virtual_replica // (8 // n),  # the device that computes it
             leaf=leaf,
             index=int(r.randint(64)),
             bit=int(r.randint(32)),
-            virtual_replica=int(r.randint(8 // n)) + (8 // n) * int(r.randint(n)),
+            virtual_replica=virtual_replica,
         )
-        # The fault's device computes its own virtual replicas only.
-        fault = Fault(**{**fault.__dict__, "replica": fault.virtual_replica // (8 // n)})
         faulty = step(n, backend, wrap=lambda s: with_faults(s, "gradients"))
         rows = [(b, fault.rows(16)) for b in BATCHES]
         found = jdp.verify.replay(step(n, backend), faulty, mlp_state(), BATCHES, batches_b=rows)

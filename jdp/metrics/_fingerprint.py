@@ -53,6 +53,36 @@ def leaf_hash(words: jax.Array, offset: jax.Array, leaf: int) -> jax.Array:
     return jnp.stack(lanes)
 
 
+def hash_leaves(leaves: list, chosen: list[bool], index: jax.Array | None = None) -> jax.Array:
+    """``(len(leaves), 2)`` uint32: the ``chosen`` leaves' hashes, 0 for the others.
+
+    With ``index`` (this replica's place on the data axis), each chosen leaf
+    is this replica's slice of a leaf split over the axis, hashed at its
+    global word positions, so the slices' hashes sum to the whole leaf's.
+    """
+    rows = []
+    for i, (x, take) in enumerate(zip(leaves, chosen, strict=True)):
+        if not take:
+            rows.append(jnp.zeros(2, jnp.uint32))
+            continue
+        words = leaf_words(x)
+        offset = (
+            jnp.uint32(0) if index is None else index.astype(jnp.uint32) * jnp.uint32(words.size)
+        )
+        rows.append(leaf_hash(words, offset, i))
+    return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
+
+
+def logical_hashes(leaves: list, split: list[bool], axis_name: str) -> jax.Array:
+    """``(len(leaves), 2)`` uint32 inside a step: whole leaves hashed as this replica holds
+    them, ``split`` leaves' slices at their global positions, summed over the data axis."""
+    own = hash_leaves(leaves, [not part for part in split])
+    if not any(split):
+        return own
+    parts = hash_leaves(leaves, split, lax.axis_index(axis_name))
+    return own + lax.psum(parts, axis_name)
+
+
 def leaf_hashes(state: PyTree) -> jax.Array:
     """``(leaves, 2)`` uint32: each leaf's hash on this replica; 0 for per-replica leaves.
 
@@ -60,26 +90,14 @@ def leaf_hashes(state: PyTree) -> jax.Array:
     comparison of replicas leaves them out; the rows keep the flatten order,
     so a row's index names its leaf.
     """
-    split = _layout.per_replica_leaves(state)
-    rows = [
-        jnp.zeros(2, jnp.uint32) if per_replica else leaf_hash(leaf_words(x), jnp.uint32(0), i)
-        for i, (x, per_replica) in enumerate(zip(jax.tree.leaves(state), split, strict=True))
-    ]
-    return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
+    whole = [not part for part in _layout.per_replica_leaves(state)]
+    return hash_leaves(jax.tree.leaves(state), whole)
 
 
 def _split_rows(state: PyTree, axis_name: str) -> jax.Array:
     """``(leaves, 2)``: each per-replica slice hashed at its global positions; 0 for whole leaves."""
-    index = lax.axis_index(axis_name).astype(jnp.uint32)
     split = _layout.per_replica_leaves(state)
-    rows = []
-    for i, (x, per_replica) in enumerate(zip(jax.tree.leaves(state), split, strict=True)):
-        if not per_replica:
-            rows.append(jnp.zeros(2, jnp.uint32))
-            continue
-        words = leaf_words(x)
-        rows.append(leaf_hash(words, index * jnp.uint32(words.size), i))
-    return jnp.stack(rows) if rows else jnp.zeros((0, 2), jnp.uint32)
+    return hash_leaves(jax.tree.leaves(state), split, lax.axis_index(axis_name))
 
 
 def state_fingerprint(state: PyTree, axis_name: str) -> tuple[jax.Array, jax.Array]:
@@ -103,10 +121,7 @@ def logical_leaf_hashes(state: PyTree, axis_name: str) -> jax.Array:
     the same for every layout. They sum to :func:`state_fingerprint`'s
     fingerprint.
     """
-    own = leaf_hashes(state)
-    if not any(_layout.per_replica_leaves(state)):
-        return own
-    return own + lax.psum(_split_rows(state, axis_name), axis_name)
+    return logical_hashes(jax.tree.leaves(state), _layout.per_replica_leaves(state), axis_name)
 
 
 @functools.cache
