@@ -279,12 +279,13 @@ def _build_step(
     def train_step(state: TrainState, batch: PyTree) -> tuple[TrainState, Metrics]:
         _check_state(state, has_model_state, has_rng)
         _warn_float16_unscaled(policy, state)
+        batch = _phases.mark(_phases.START, batch, axis_name, split=[])
         out = strategy.gradients(forward, state, batch, axis_name)
         grads = state.loss_scale.unscale(out.grads)
         before = state
         model_state = out.model_state if has_model_state else None
         state, info = strategy.update(state, grads, model_state, axis_name)
-        _phases.mark(_phases.UPDATE, state, axis_name)
+        state = _phases.mark(_phases.UPDATE, state, axis_name)
         own = {"loss": out.loss, **info, **({} if out.weight is None else {"weight": out.weight})}
         clash = sorted(set(out.aux) & (set(own) | _RESERVED | {m.name for m in requested}))
         if clash:

@@ -109,8 +109,7 @@ def local_contribution(
     """
     rng = None if state.rng is None else replica_rng(state.rng, state.step, axis_name)
     local = accumulate(forward, state, batch, rng, accumulate_steps, axis_name, probe)
-    _phases.mark_contribution(local, axis_name, split=split)
-    return local
+    return _phases.mark_contribution(local, axis_name, split=split)
 
 
 def reduced(
@@ -120,10 +119,10 @@ def reduced(
     (``split``: per leaf, whether this replica holds a slice of it)."""
     model_state = weighted_average(local.model_state, local.weight, axis_name)
     loss = local.total if local.weight is None else safe_divide(local.total, local.weight)
-    _phases.mark_gradients(
+    grads, seen = _phases.mark_gradients(
         _phases.REDUCTION, grads, {"model_state": model_state}, axis_name, split=split
     )
-    return Reduced(grads, loss, local.weight, model_state, local.aux)
+    return Reduced(grads, loss, local.weight, seen["model_state"], local.aux)
 
 
 def data_parallel(

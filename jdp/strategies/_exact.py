@@ -211,7 +211,7 @@ def exact_gradients(
     outs, check = _this_devices_virtual_replicas(
         forward, state, batch, rng, virtual_replicas, axis_name, recompute_every, fault
     )
-    _phases.mark_contribution(outs, axis_name, rows=True)
+    outs = _phases.mark_contribution(outs, axis_name, rows=True)
     weighted = outs.weight is not None
     weights = outs.weight if weighted else jnp.ones((per_device,), jnp.float32)
     zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
@@ -247,7 +247,10 @@ def exact_gradients(
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
     mine = shared_weight if weighted else None
-    _phases.mark_gradients(_phases.REDUCTION, grads, {"model_state": model_state}, axis_name)
+    grads, seen = _phases.mark_gradients(
+        _phases.REDUCTION, grads, {"model_state": model_state}, axis_name
+    )
+    model_state = seen["model_state"]
     own = {"virtual_replica_loss": every, **({} if check is None else {"recompute": check})}
     if set(own) & set(aux):
         raise ValueError(
