@@ -83,6 +83,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/torch_ddp.py
 	$(PY) benchmarks/exact_cost.py
 	$(PY) benchmarks/audit.py
+	$(PY) benchmarks/timing.py
 	$(PY) benchmarks/pace.py --launchers mpirun srun k8s
 	$(PY) benchmarks/survivors.py
 	$(PY) benchmarks/import_time.py

@@ -3,10 +3,12 @@
 Runs tests/scripts/multiprocess_pace.py under jdp.launch, for each layout
 (processes x devices per process):
 
-- TRIALS jobs in which the last process's data loader is slowed by SLOWDOWN
-  (0.1: 10% of its own step time) from step 21, and one clean job of CLEAN
-  steps: how many slowed jobs named the slowed process within 50 steps, the
-  steps it took, and how many times a clean job named anyone;
+- for each of MODES, TRIALS jobs in which the last process is slowed by
+  SLOWDOWN (0.1: 10% of its own step time) from step 21, in its data loader
+  (``slow``) or inside its loss, on the device's side of the step
+  (``slow-loss``), and one clean job of CLEAN steps: how many slowed jobs
+  named the slowed process within 50 steps, the steps it took, and how many
+  times a clean job named anyone;
 - HANGS jobs in which the last process's step blocks in a host callback at
   step 8 (``--timeout 10``): how many named that process and ended within
   the deadline + 10 s of the hang, and the median time from hang to end.
@@ -14,8 +16,8 @@ Runs tests/scripts/multiprocess_pace.py under jdp.launch, for each layout
   ``srun`` (a SLURM controller must answer) and ``k8s`` (a Kubernetes Indexed
   Job's variables, each process started on its own), as the suite starts them.
 
-Usage: python benchmarks/pace.py [--trials 20] [--clean 2000] [--hangs 20] [--layouts 2x4 4x2]
-       [--launchers mpirun srun k8s]
+Usage: python benchmarks/pace.py [--trials 20] [--modes slow slow-loss] [--clean 2000]
+       [--hangs 20] [--layouts 2x4 4x2] [--launchers mpirun srun k8s]
 """
 
 import argparse
@@ -35,7 +37,8 @@ LAUNCHERS = {"mpirun": "mpirun", "srun": "srun", "k8s": "jobset"}
 SCRIPT = str(ROOT / "tests" / "scripts" / "multiprocess_pace.py")
 NAMED = re.compile(
     r"process (\d+) of \d+ on \S+ \(devices [\d, ]+\) sets the job's pace: "
-    r"it waited [\d.]+ ms per step for its data in steps \d+-(\d+)"
+    r"it waited [\d.]+ ms per step for its data(?: and computed [\d.]+ ms before the first "
+    r"collective)? in steps \d+-(\d+)"
 )
 
 
@@ -103,9 +106,22 @@ def report(where, ends, jobs):
     )
 
 
+def stragglers(layout, mode, args):
+    """How many of ``args.trials`` jobs named the slowed process within 50 steps, and when."""
+    found = []
+    for _ in range(args.trials):
+        processes, named = job(layout, mode, 90, args.slowdown)
+        right = [s - 20 for p, s in named if p == processes - 1]
+        found.append(right[0] if right and right[0] <= 50 else None)
+    hits = [f for f in found if f is not None]
+    after = f", median {statistics.median(hits):.0f} steps after it began" if hits else ""
+    return f"named within 50 steps in {len(hits)} of {args.trials} trials{after}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
+    parser.add_argument("--modes", nargs="*", default=["slow", "slow-loss"])
     parser.add_argument("--clean", type=int, default=2000, help="steps of the clean job")
     parser.add_argument("--slowdown", type=float, default=0.1)
     parser.add_argument("--hangs", type=int, default=20, help="jobs hung in a host callback")
@@ -113,20 +129,13 @@ def main():
     parser.add_argument("--launchers", nargs="*", default=[], choices=sorted(LAUNCHERS))
     args = parser.parse_args()
     if args.trials:  # 0: the hangs only
-        print(f"\nstragglers: a data loader slowed by {args.slowdown:.0%} from step 21")
+        print(f"\nstragglers: the last process slowed by {args.slowdown:.0%} from step 21")
         for layout in args.layouts:
-            found = []
-            for _ in range(args.trials):
-                processes, named = job(layout, "slow", 90, args.slowdown)
-                right = [s - 20 for p, s in named if p == processes - 1]
-                found.append(right[0] if right and right[0] <= 50 else None)
-            hits = [f for f in found if f is not None]
-            after = f", median {statistics.median(hits):.0f} steps after it began" if hits else ""
+            for mode in args.modes:
+                print(f"{layout} {mode}: {stragglers(layout, mode, args)}", flush=True)
             _, false = job(layout, "clean", args.clean, 0.0)
             print(
-                f"{layout}: named within 50 steps in {len(hits)} of {args.trials} trials{after}; "
-                f"{len(false)} false alarm(s) over {args.clean} clean steps",
-                flush=True,
+                f"{layout}: {len(false)} false alarm(s) over {args.clean} clean steps", flush=True
             )
     if args.hangs:
         print(

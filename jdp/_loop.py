@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 import numpy as np
 
-from jdp import _recycle, _standby, _standby_restore, _tree, _watchdog
+from jdp import _recycle, _standby, _standby_restore, _timed, _tree, _watchdog
 from jdp._args import check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
@@ -75,6 +75,7 @@ def fit(
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
     log_every: int = 10,
     progress: bool = True,
+    time_every: int | None = None,
 ) -> tuple[T, History]:
     """Trains until ``state.step == num_steps``, resuming from the latest checkpoint.
 
@@ -112,10 +113,19 @@ def fit(
         the wall seconds so far by kind, as in ``History.time``; on process
         0 of a multi-process job its ``pace`` is every process's data wait
         per step over its newest logged window, in ms (``data_ms/<process>``),
-        their ``spread_ms`` and the median ``step_ms``.
+        its compute before the first collective and its wait in it per timed
+        step (``compute_ms/<process>``, ``collective_ms/<process>``), their
+        ``spread_ms`` and the median ``step_ms``.
       log_every: steps between metric read-backs (each waits for the device).
       progress: show a rich progress bar with the loss and throughput, and
         at the end one line saying where the time went.
+      time_every: run every this many steps a twin of the step that reads
+        from the device how long each process computed and waited in the
+        first collective (compiled once more; ``docs/multi-host.md``).
+        Default: every ``log_every`` steps in a job of several processes,
+        never in one; 0: never. In exact mode a timed step computes the same
+        bits; otherwise XLA may round a value differently in it (the last bit
+        of the loss, in tests).
 
     Returns:
       ``(state, history)``.
@@ -126,6 +136,7 @@ def fit(
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
     standby = _standby_for(train_step, state, checkpointer)
     train_step, run = _runs(train_step, state, standby)
+    timed = _timed.timed(train_step, time_every, log_every)
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
     batches, position = _batches(train_step, train_data)
@@ -136,8 +147,7 @@ def fit(
         while step < num_steps:
             _enter(ledger, "startup" if first else "data", step + 1)
             batch, (position, examples, epoch) = _next(batches, step, num_steps)
-            _enter(ledger, "compile" if first else "train", step + 1)
-            state, metrics = run(state, batch)
+            state, metrics = _call(run, timed, state, batch, step + 1, ledger, first)
             sent = _standby.next_rows(metrics)
             step, first = step + 1, False
             ledger.enter("train")
@@ -149,7 +159,7 @@ def fit(
             if standby is not None:
                 standby.keep(step, state, position, history, sent)
             if step % log_every == 0 or step == num_steps:
-                rows.hold(step, metrics, _note_time(ledger, record, step))
+                rows.hold(step, metrics, _note_time(ledger, record, step, timed))
             if eval_step is not None and _due(step, num_steps, eval_every):
                 _evaluate(eval_step, eval_data, state, step, rows, ledger)
             if checkpointer is not None:
@@ -186,14 +196,28 @@ _PHASES = {
 }
 
 
-def _note_time(ledger: Ledger, record: Record | None, step: int) -> dict[str, Any]:
+def _call(run, timed: "_timed.Timed | None", state, batch, step: int, ledger: Ledger, first: bool):
+    """The call that makes ``step``: timed where due; a first call (of either twin) compiles."""
+    if timed is None or not timed.due(step):
+        _enter(ledger, "compile" if first else "train", step)
+        return run(state, batch)
+    _enter(ledger, "train" if timed.compiled else "compile", step)
+    return timed(run, state, batch)
+
+
+def _note_time(
+    ledger: Ledger, record: Record | None, step: int, timed: "_timed.Timed | None"
+) -> dict[str, Any]:
     """The ledger so far, for the watchdog's per-process report and the file; the row's entries.
 
     The row holds ``time`` (this process's seconds by kind) and, on process 0
-    of several, ``pace``: every process's newest data wait per step.
+    of several, ``pace``: every process's newest data wait per step, and
+    device times per timed step (in one process that times, its own).
     """
     seconds = ledger.totals()
-    pace = _watchdog.note_time(step, seconds)
+    pace = _watchdog.note_time(step, seconds, None if timed is None else timed.totals())
+    if timed is not None and _watchdog.processes() == 1:
+        pace = timed.alone(step, seconds)
     if record is not None:
         record.write(seconds)
     return {"time": seconds, "pace": pace} if pace else {"time": seconds}

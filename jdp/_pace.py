@@ -3,18 +3,20 @@
 In a synchronous job every process waits for the slowest at the next
 collective, so every process's step takes the same time and step times name
 no one. What differs is where each process waits: the slow one waits for its
-own data (or computes), the others wait for it inside the step. ``jdp.fit``
-charges each process's time to its ledger (:mod:`jdp._ledger`); at every
-logged step each process publishes its ledger in JAX's key-value store (no
-collective, nothing the device waits for), and process 0 compares the
-windows between them.
+own data or computes, the others wait for it inside the step's first
+collective. ``jdp.fit`` charges each process's host time to its ledger
+(:mod:`jdp._ledger`) and, on its timed steps, reads from the device how long
+the process computed before the first collective and how long it then
+waited in it (:mod:`jdp._stamps`). At every logged step each process
+publishes both in JAX's key-value store (no collective, nothing the device
+waits for), and process 0 compares the windows between them.
 
-The rule: over a window, a process's data wait per step exceeds the median
-of its peers' by more than ``SHARE`` of the step time (and ``FLOOR``
-seconds) in ``WINDOWS`` windows in a row. Comparing processes within the
-same window cancels what the whole machine does (a noisy neighbour slows
-everyone alike); requiring consecutive windows keeps one hiccup from being
-named.
+The rule: over a window, a process's own time per step (its data wait per
+step plus its compute per timed step) exceeds the median of its peers' by
+more than ``SHARE`` of the step time (and ``FLOOR`` seconds) in ``WINDOWS``
+windows in a row. Comparing processes within the same window cancels what
+the whole machine does (a noisy neighbour slows everyone alike); requiring
+consecutive windows keeps one hiccup from being named.
 """
 
 import dataclasses
@@ -29,11 +31,19 @@ WINDOWS = 3  # consecutive windows (logged steps) before a process is named
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-    """One process's ledger at one logged step: seconds waiting for data, seconds in all."""
+    """One process's totals at one logged step, in seconds.
+
+    ``data`` waiting for data and ``total`` in all (its ledger); over its
+    ``timed`` steps so far, ``compute`` before the first collective and
+    ``collective`` waiting in it (:class:`jdp._stamps.Timing`).
+    """
 
     step: int
     data: float
     total: float
+    compute: float = 0.0
+    collective: float = 0.0
+    timed: int = 0
 
     def encode(self) -> str:
         return json.dumps(dataclasses.astuple(self))
@@ -41,19 +51,28 @@ class Sample:
     @classmethod
     def decode(cls, text: str) -> "Sample | None":
         try:
-            step, data, total = json.loads(text)
-            return cls(int(step), float(data), float(total))
+            step, data, total, *timing = json.loads(text)
+            compute, collective, timed = timing or (0.0, 0.0, 0)
+            timing_ = (float(compute), float(collective), int(timed))
+            return cls(int(step), float(data), float(total), *timing_)
         except (ValueError, TypeError):
             return None
 
 
 @dataclasses.dataclass(frozen=True)
 class Window:
-    """What one process did between two of its samples, per step."""
+    """What one process did between two of its samples: per step, and per timed step."""
 
     steps: tuple[int, int]
     data: float
     step_time: float
+    compute: float = 0.0
+    collective: float = 0.0
+
+    @property
+    def own(self) -> float:
+        """The time per step the process itself takes: waiting for its data, computing."""
+        return self.data + self.compute
 
 
 class Pace:
@@ -79,10 +98,10 @@ class Pace:
             return None
         step_time = statistics.median(w.step_time for w in windows.values())
         for index, window in windows.items():
-            peers = statistics.median(w.data for i, w in windows.items() if i != index)
-            slow = window.data - peers > max(SHARE * step_time, FLOOR)
+            peers = statistics.median(w.own for i, w in windows.items() if i != index)
+            slow = window.own - peers > max(SHARE * step_time, FLOOR)
             self.strikes[index] = self.strikes.get(index, 0) + 1 if slow else 0
-        slowest = max(windows, key=lambda i: (self.strikes[i], windows[i].data))
+        slowest = max(windows, key=lambda i: (self.strikes[i], windows[i].own))
         if self.strikes[slowest] >= WINDOWS and self.named != slowest:
             self.named = slowest
             return slowest, windows
@@ -92,41 +111,59 @@ class Pace:
 
 
 def _window(before: Sample, now: Sample) -> Window:
-    steps = now.step - before.step
+    steps, timed = now.step - before.step, now.timed - before.timed
     return Window(
         (before.step + 1, now.step),
         (now.data - before.data) / steps,
         (now.total - before.total) / steps,
+        (now.compute - before.compute) / timed if timed > 0 else 0.0,
+        (now.collective - before.collective) / timed if timed > 0 else 0.0,
     )
 
 
 def summary(windows: Mapping[int, Window]) -> dict[str, float]:
-    """Each process's newest window for a logged row: data wait per step (ms) and the spread.
+    """Each process's newest window for a logged row, in ms, and the spread.
 
-    ``data_ms/<process>``, ``spread_ms`` (the largest data wait less the
-    smallest) and ``step_ms`` (the median step time); empty before two
-    processes have a window.
+    ``data_ms/<process>`` (data wait per step), where steps were timed
+    ``compute_ms/<process>`` and ``collective_ms/<process>`` (per timed
+    step), ``step_ms`` (the median step time) and, for several processes,
+    ``spread_ms`` (the largest own time, data plus compute, less the
+    smallest); empty before any window.
     """
-    if len(windows) < 2:
+    if not windows:
         return {}
-    waits = {f"data_ms/{i}": 1e3 * w.data for i, w in sorted(windows.items())}
-    return {
-        **waits,
-        "spread_ms": max(waits.values()) - min(waits.values()),
-        "step_ms": 1e3 * statistics.median(w.step_time for w in windows.values()),
-    }
+    ordered = sorted(windows.items())
+    row = {f"data_ms/{i}": 1e3 * w.data for i, w in ordered}
+    if any(w.compute or w.collective for _, w in ordered):
+        row |= {f"compute_ms/{i}": 1e3 * w.compute for i, w in ordered}
+        row |= {f"collective_ms/{i}": 1e3 * w.collective for i, w in ordered}
+    if len(ordered) > 1:
+        own = [w.own for _, w in ordered]
+        row["spread_ms"] = 1e3 * (max(own) - min(own))
+    return {**row, "step_ms": 1e3 * statistics.median(w.step_time for w in windows.values())}
 
 
 def report(index: int, who: str, windows: Mapping[int, Window]) -> str:
-    """The line that names the slow process, with how much."""
+    """The line that names the slow process, with how much and where."""
     window = windows[index]
-    peers = statistics.median(w.data for i, w in windows.items() if i != index)
+    others = [w for i, w in windows.items() if i != index]
+    data, compute = (statistics.median(getattr(w, f) for w in others) for f in ("data", "compute"))
     step_time = statistics.median(w.step_time for w in windows.values())
     first, last = window.steps
+    where = f"waited {1e3 * window.data:.1f} ms per step for its data"
+    peers = f"its peers {1e3 * data:.1f} ms"
+    if window.compute or compute:
+        where += f" and computed {1e3 * window.compute:.1f} ms before the first collective"
+        peers += f" and {1e3 * compute:.1f} ms"
+    look = (
+        "its data loading (disk, CPU, a shared host)"
+        if window.data - data >= window.compute - compute
+        else "its device and its step (a slower or throttled device, work only it does)"
+    )
     return (
-        f"{who} sets the job's pace: it waited {1e3 * window.data:.1f} ms per step for its "
-        f"data in steps {first}-{last}, its peers {1e3 * peers:.1f} ms, of "
+        f"{who} sets the job's pace: it {where} in steps {first}-{last}, {peers}, of "
         f"{1e3 * step_time:.1f} ms per step ({WINDOWS} logged windows in a row): "
-        f"{100 * (window.data - peers) / step_time:.0f}% of every step goes to waiting for it. "
-        "Look at its data loading (disk, CPU, a shared host)."
+        f"{100 * (window.own - statistics.median(w.own for w in others)) / step_time:.0f}% of "
+        "every step goes to waiting "
+        f"for it. Look at {look}."
     )

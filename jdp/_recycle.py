@@ -58,14 +58,18 @@ class Spares:
             self._standby.on_drop = self._dropped
             self.protect(state)
 
-    def __call__(self, state: PyTree, batch: PyTree) -> Any:
-        """Runs the step on ``state``; where recycling, writes it into a spare."""
+    def __call__(self, state: PyTree, batch: PyTree, runner: Any = None) -> Any:
+        """Runs the step on ``state``; where recycling, writes it into a spare.
+
+        ``runner``: a twin of the step to run this time (the timed one), or None.
+        """
+        runner = self._runner if runner is None else runner
         if self._standby is None:
-            return self._runner(state, batch)
+            return runner(state, batch)
         last = self._last
         mine = last if last is not None and last.state() is state else _Arrays(state)
         spare = self._spare(mine, self._standby)
-        new, metrics = self._runner.call_into(state, batch, spare)
+        new, metrics = runner.call_into(state, batch, spare)
         made = _Arrays(new)
         inputs = {id(x) for x in mine.arrays}
         # An output the step returned unchanged is one array in two places.

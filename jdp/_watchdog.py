@@ -185,18 +185,28 @@ def note_step() -> None:
         job.last_call = time.monotonic()
 
 
-def note_time(step: int, seconds: dict[str, float]) -> dict[str, float]:
+def processes() -> int:
+    """How many processes the job has (1 before :func:`install`)."""
+    return 1 if JOB is None else JOB.count
+
+
+def note_time(
+    step: int, seconds: dict[str, float], device: tuple[float, float, int] | None = None
+) -> dict[str, float]:
     """This process's ledger at a logged step (``jdp.fit``): published; process 0 compares.
 
-    One key-value write per logged step (process 0 also reads every
+    ``device``: seconds computing and in the first collective over this
+    process's timed steps so far, and how many (:mod:`jdp._stamps`). One
+    key-value write per logged step (process 0 also reads every
     process's), no collective: the device never waits for it. Returns, on
-    process 0 of several, each process's newest data wait
+    process 0 of several, each process's newest window
     (:func:`jdp._pace.summary`) for the row; else an empty dict.
     """
     job = JOB
     if job is None or job.count < 2:
         return {}
-    job.publish(f"time/{job.index}", Sample(step, seconds["data"], sum(seconds.values())).encode())
+    sample = Sample(step, seconds["data"], sum(seconds.values()), *(device or ()))
+    job.publish(f"time/{job.index}", sample.encode())
     if job.index != 0:
         return {}
     samples = {i: Sample.decode(text) for i, text in job.entries("time/").items()}

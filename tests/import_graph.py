@@ -29,6 +29,7 @@ LAYERS = [
     ["jdp._forward", "jdp._update"],
     ["jdp.metrics._base", "jdp.metrics._builtin", "jdp.metrics._fingerprint", "jdp.metrics"],
     ["jdp._audit", "jdp._phases"],
+    ["jdp._stamps"],
     [
         "jdp.strategies._base",
         "jdp.strategies._elementwise",
@@ -54,7 +55,7 @@ LAYERS = [
         "jdp._data",
         "jdp._tensorboard",
     ],
-    ["jdp._recycle"],
+    ["jdp._recycle", "jdp._timed"],
     ["jdp._loop", "jdp.nnx"],
     ["jdp", "jdp.launch", "jdp.demo", "jdp.verify"],
 ]

@@ -81,10 +81,50 @@ def test_a_rows_pace_is_every_processs_newest_window():
     assert list(summary) == ["data_ms/0", "data_ms/1", "data_ms/2", "spread_ms", "step_ms"]
     expected = [2.0, 12.0, 4.0, 10.0, 100.0]
     np.testing.assert_allclose(list(summary.values()), expected, rtol=1e-12)
-    assert _pace.summary({0: windows[0]}) == {}  # one process: nothing to compare
+    assert _pace.summary({0: windows[0]}) == {"data_ms/0": 2.0, "step_ms": 100.0}  # no spread
+    assert _pace.summary({}) == {}
     pace = _pace.Pace()  # observe keeps each process's newest window, named or not
     feed(pace, [0.0, 0.01], 2)
     assert sorted(pace.windows) == [0, 1] and pace.windows[1].steps == (11, 20)
+
+
+def test_the_report_says_where_the_slow_process_spends_its_time():
+    windows = {
+        0: _pace.Window((41, 50), 0.002, 0.1, compute=0.030, collective=0.050),
+        1: _pace.Window((41, 50), 0.001, 0.1, compute=0.045, collective=0.036),
+        2: _pace.Window((41, 50), 0.002, 0.1, compute=0.032, collective=0.049),
+    }
+    line = _pace.report(1, "process 1 of 3 on h (devices 2, 3)", windows)
+    assert line == (
+        "process 1 of 3 on h (devices 2, 3) sets the job's pace: it waited 1.0 ms per step for "
+        "its data and computed 45.0 ms before the first collective in steps 41-50, its peers "
+        "2.0 ms and 31.0 ms, of 100.0 ms per step (3 logged windows in a row): 13% of every "
+        "step goes to waiting for it. Look at its device and its step (a slower or throttled "
+        "device, work only it does)."
+    )
+    summary = _pace.summary(windows)
+    assert [k for k in summary if k.startswith("compute")] == [f"compute_ms/{i}" for i in range(3)]
+    np.testing.assert_allclose(summary["spread_ms"], 1e3 * (0.046 - 0.032), rtol=1e-12)
+    np.testing.assert_allclose(summary["collective_ms/1"], 36.0, rtol=1e-12)
+
+
+def test_compute_on_timed_steps_names_a_process_its_data_waits_do_not():
+    pace = _pace.Pace()
+    named = []
+    for w in range(6):  # 10 steps a window, one timed; process 2 computes 10% of a step longer
+        samples = {
+            i: _pace.Sample(
+                10 * (w + 1), 0.0, STEP * 10 * (w + 1), (0.05 + 0.01 * (i == 2)) * w, 0.0, w
+            )
+            for i in range(3)
+        }
+        if pace.observe(samples) is not None:
+            named.append((w, pace.named))
+    assert named == [(3, 2)]  # after 3 windows (the first samples open them)
+    assert _pace.Sample.decode(_pace.Sample(5, 1.0, 2.0, 0.5, 0.25, 3).encode()) == _pace.Sample(
+        5, 1.0, 2.0, 0.5, 0.25, 3
+    )
+    assert _pace.Sample.decode("[5, 1.0, 2.0]") == _pace.Sample(5, 1.0, 2.0)
 
 
 def test_the_report_says_who_and_how_much():
@@ -182,16 +222,36 @@ def test_a_process_slowed_ten_percent_in_its_data_is_named_within_50_steps():
     assert code == 0, err[-3000:]
     found = re.search(
         r"process 1 of 2 on (\S+) \(devices [\d, ]+\) sets the job's pace: it "
-        r"waited [\d.]+ ms per step for its data in steps \d+-(\d+)",
+        r"waited [\d.]+ ms per step for its data and computed [\d.]+ ms before the first "
+        r"collective in steps \d+-(\d+), .* Look at its data loading",
         err,
     )
     assert found is not None, err[-3000:]
     assert found.group(1) == socket.gethostname() and int(found.group(2)) <= 20 + 50
     # Process 0's rows carry both processes' data waits: the slowed one's is higher.
     pace = json.loads(re.search(r"pace (\{.*\})", err).group(1))
-    assert sorted(pace) == ["data_ms/0", "data_ms/1", "spread_ms", "step_ms"], pace
+    timed = [f"{k}_ms/{i}" for k in ("collective", "compute") for i in (0, 1)]
+    assert sorted(pace) == [*timed, "data_ms/0", "data_ms/1", "spread_ms", "step_ms"], pace
     assert pace["data_ms/1"] - pace["data_ms/0"] >= 0.05 * pace["step_ms"], pace
-    assert pace["spread_ms"] == pace["data_ms/1"] - pace["data_ms/0"]  # the same subtraction
+    own = [pace[f"data_ms/{i}"] + pace[f"compute_ms/{i}"] for i in (0, 1)]
+    assert pace["spread_ms"] == pytest.approx(max(own) - min(own), rel=1e-12)
+
+
+def test_a_process_slowed_ten_percent_in_its_loss_is_named_within_50_steps():
+    """The sleep is inside the step, so the host's waits cannot see it: the device's stamps do."""
+    code, err, _ = launch("slow-loss", 90, slowdown=0.1)
+    assert code == 0, err[-3000:]
+    found = re.search(
+        r"process 1 of 2 on \S+ \(devices [\d, ]+\) sets the job's pace: it waited [\d.]+ ms "
+        r"per step for its data and computed ([\d.]+) ms before the first collective in steps "
+        r"\d+-(\d+), its peers [\d.]+ ms and ([\d.]+) ms, of ([\d.]+) ms per step .* Look at "
+        r"its device and its step",
+        err,
+    )
+    assert found is not None, err[-3000:]
+    assert int(found.group(2)) <= 20 + 50
+    mine, peers, step = (float(found.group(i)) for i in (1, 3, 4))
+    assert mine - peers > 0.05 * step  # the rule's share, seen in the device's compute
 
 
 def test_a_clean_job_names_no_one():

@@ -6,7 +6,10 @@ Trains an MLP of 2.1M parameters with fit, logging every 10 steps; process 0
 prints its last row's ``pace`` to stderr at the end. MODE:
 
 - ``slow``: from step 21 the last process's data loader sleeps SLOWDOWN times
-  its own mean step time over steps 6-20 before each batch (0.1: 10% slower);
+  its own mean step time over steps 11-20 before each batch (0.1: 10% slower;
+  steps 1-10 hold the compilations of the step and of fit's timed twin);
+- ``slow-loss``: the same sleep, from step 21, inside the last process's loss
+  (a host callback whose result the loss uses): its device computes longer;
 - ``clean``: no process sleeps;
 - ``hang-data``: the last process's data loader blocks for good before the
   batch of step 8, while its Python (and jdp's watchdog) stays alive;
@@ -34,6 +37,7 @@ import jdp  # noqa: E402
 
 SIZES = (512, 1024, 1024, 512)
 FOREVER = threading.Event()  # never set: a wait that does not end, the process alive
+DELAY = [0.0]  # seconds the last process's loss sleeps in mode slow-loss (set at step 21)
 
 
 def hang(*_):
@@ -48,10 +52,17 @@ def params():
     ]
 
 
-def loss(ws, batch, hang_at=None):
+def slow(_step):
+    time.sleep(DELAY[0])
+    return np.zeros((), np.float32)
+
+
+def loss(ws, batch, hang_at=None, slowed=False):
     h = batch["x"]
     if hang_at is not None:  # the last process's host callback blocks at that step
         jax.debug.callback(lambda s: hang() if int(s) == hang_at else None, batch["step"][0])
+    if slowed:  # the loss waits for the callback's zero: the device's compute takes longer
+        h = h + jax.pure_callback(slow, jax.ShapeDtypeStruct((), jnp.float32), batch["step"][0])
     for w in ws[:-1]:
         h = jnp.tanh(h @ w)
     return jnp.mean((h @ ws[-1] - batch["y"]) ** 2)
@@ -65,7 +76,9 @@ def batches(mode, last, slowdown):
     for step in range(1, 10**9):
         times.append(time.perf_counter())
         if mode == "slow" and last and step > 20:
-            time.sleep(slowdown * (times[19] - times[5]) / 14)
+            time.sleep(slowdown * (times[20] - times[10]) / 10)
+        if mode == "slow-loss" and last and step == 21:
+            DELAY[0] = slowdown * (times[20] - times[10]) / 10
         if mode == "hang-data" and last and step == 8:
             hang()
         yield {"x": x, "y": y, "step": np.full(64, step, np.int32)}
@@ -74,7 +87,8 @@ def batches(mode, last, slowdown):
 def main(mode, steps, slowdown):
     last = jax.process_index() == jax.process_count() - 1
     hang_at = 8 if mode == "hang-step" and last else None
-    step = jdp.pmap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at)))
+    slowed = mode == "slow-loss" and last
+    step = jdp.pmap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at, slowed)))
     state = step.replicate(jdp.TrainState.create(params=params(), tx=optax.adam(1e-4)))
     _, history = jdp.fit(
         step, state, batches(mode, last, slowdown), num_steps=steps, log_every=10, progress=False
