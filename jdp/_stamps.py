@@ -57,12 +57,12 @@ class Clock:
     """The host's side of the stamps: the time each local replica reached each phase.
 
     Stamps come in per replica in step order; a step is complete when every
-    local replica stamped every phase of it (:meth:`take`).
+    local replica stamped every phase of it (:meth:`take`, which lets go of
+    the stamps it returns).
     """
 
     def __init__(self) -> None:
         self._stamps: dict[str, dict[int, list[float]]] = {p: {} for p in TIMED}
-        self._taken = 0
         self._lock = threading.Lock()
 
     def stamp(self, phase: str, replica: np.ndarray, _ready: np.ndarray) -> np.ndarray:
@@ -106,16 +106,15 @@ class Clock:
     def take(self, replicas: Sequence[int]) -> list[Timing]:
         """The steps every one of ``replicas`` (this process's) completed since the last call."""
         with self._lock:
-            counts = [len(self._stamps[p].get(r, ())) for p in TIMED for r in replicas]
-            done = min(counts, default=0)
-            stamps = {
-                p: np.array([self._stamps[p].get(r, [])[self._taken : done] for r in replicas])
-                for p in TIMED
-            }
-            self._taken = max(done, self._taken)
+            lists = {p: [self._stamps[p].setdefault(r, []) for r in replicas] for p in TIMED}
+            done = min((len(times) for each in lists.values() for times in each), default=0)
+            if done == 0:
+                return []
+            stamps = {p: np.array([times[:done] for times in each]) for p, each in lists.items()}
+            for each in lists.values():
+                for times in each:
+                    del times[:done]
         start, ready, reduced = (stamps[p] for p in TIMED)
-        if start.shape[1] == 0:
-            return []
         first, last_ready = start.min(axis=0), ready.max(axis=0)
         return [
             Timing(float(c), float(w))

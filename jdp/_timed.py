@@ -17,6 +17,7 @@ from jdp._args import check_int
 from jdp._pace import Pace, Sample, summary
 from jdp._stamps import Clock
 from jdp._tree import PyTree
+from jdp.backends import Backend
 
 
 class Timed:
@@ -67,13 +68,20 @@ def timed(runner: Any, time_every: int | None, log_every: int) -> Timed | None:
     """The twin ``fit`` calls every ``time_every`` steps, or None where nothing is timed.
 
     ``time_every=None``: every ``log_every`` steps in a job of several
-    processes (where the pace report compares them), never in one; 0: never.
+    processes (where the pace report compares them) whose step a jdp
+    backend wraps, never in one; 0: never.
     """
     if time_every is None:
-        time_every = log_every if _watchdog.processes() > 1 else 0
+        several = _watchdog.processes() > 1 and isinstance(runner, Backend)
+        time_every = log_every if several else 0
     check_int(time_every, "time_every", minimum=0, where="jdp.fit")
     if time_every == 0:
         return None
+    if not isinstance(runner, Backend):
+        raise TypeError(
+            f"jdp.fit: time_every={time_every} times a step wrapped by a jdp backend "
+            f"(jdp.shard_map, jdp.pmap), got {type(runner).__name__}; pass time_every=0."
+        )
     if getattr(runner, "name", None) == "pmap" and jax.process_count() == 1:
         raise ValueError(
             f"jdp.fit: time_every={time_every} times steps on jdp.shard_map, or on jdp.pmap across "

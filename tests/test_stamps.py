@@ -162,3 +162,31 @@ def test_timing_pmap_in_one_process_is_refused_with_the_fix():
         fit(time_every=2, backend="pmap")
     _, history = fit(time_every=0, backend="pmap", num_steps=4)  # the fix named works
     assert [row["step"] for row in history.train] == [4]
+
+
+class OwnRunner:
+    """A runner of the user's own around a backend (fit takes any with the Runner methods)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.step, self.replicate, self.shard = inner.step, inner.replicate, inner.shard
+
+    def __call__(self, state, batch):
+        return self.inner(state, batch)
+
+    def with_step(self, step):
+        return OwnRunner(self.inner.with_step(step))
+
+
+def test_a_runner_of_ones_own_is_timed_only_on_request_and_then_refused():
+    inner = models.backend("shard_map", jdp.make_train_step(models.mlp_loss), 8)
+    step = OwnRunner(inner)
+    state = inner.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
+    _, history = jdp.fit(step, state, BATCHES, num_steps=4, log_every=2, progress=False)
+    assert [row["step"] for row in history.train] == [2, 4]
+    with pytest.raises(TypeError) as raised:
+        jdp.fit(step, state, BATCHES, num_steps=4, time_every=2, progress=False)
+    assert str(raised.value) == (
+        "jdp.fit: time_every=2 times a step wrapped by a jdp backend (jdp.shard_map, jdp.pmap), "
+        "got OwnRunner; pass time_every=0."
+    )
