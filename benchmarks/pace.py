@@ -16,8 +16,11 @@ Runs tests/scripts/multiprocess_pace.py under jdp.launch, for each layout
   ``srun`` (a SLURM controller must answer) and ``k8s`` (a Kubernetes Indexed
   Job's variables, each process started on its own), as the suite starts them.
 
-Usage: python benchmarks/pace.py [--trials 20] [--modes slow slow-loss] [--clean 2000]
-       [--hangs 20] [--layouts 2x4 4x2] [--launchers mpirun srun k8s]
+With ``--time-every K`` the jobs time every K steps on the device (``jdp.fit``'s
+``time_every``), which ``slow-loss`` needs to be seen.
+
+Usage: python benchmarks/pace.py [--trials 20] [--modes slow slow-loss] [--time-every 10]
+       [--clean 2000] [--hangs 20] [--layouts 2x4 4x2] [--launchers mpirun srun k8s]
 """
 
 import argparse
@@ -46,7 +49,7 @@ HELD = re.compile(r"the job waits for process\(es\) \[(\d+)\], inside a host cal
 DEADLINE = 10.0
 
 
-def launched(layout, mode, steps, slowdown, *options):
+def launched(layout, mode, steps, slowdown, *options, time_every=0):
     """``(processes, the finished jdp.launch run, the time it ended)``."""
     processes, devices = (int(v) for v in layout.split("x"))
     env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
@@ -64,13 +67,14 @@ def launched(layout, mode, steps, slowdown, *options):
         mode,
         str(steps),
         str(slowdown),
+        str(time_every),
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     return processes, run, time.time()
 
 
-def job(layout, mode, steps, slowdown):
-    processes, run, _ = launched(layout, mode, steps, slowdown)
+def job(layout, mode, steps, slowdown, time_every=0):
+    processes, run, _ = launched(layout, mode, steps, slowdown, time_every=time_every)
     if run.returncode != 0:
         raise RuntimeError(run.stderr[-3000:])
     return processes, [(int(p), int(s)) for p, s in NAMED.findall(run.stderr)]
@@ -110,7 +114,7 @@ def stragglers(layout, mode, args):
     """How many of ``args.trials`` jobs named the slowed process within 50 steps, and when."""
     found = []
     for _ in range(args.trials):
-        processes, named = job(layout, mode, 90, args.slowdown)
+        processes, named = job(layout, mode, 90, args.slowdown, args.time_every)
         right = [s - 20 for p, s in named if p == processes - 1]
         found.append(right[0] if right and right[0] <= 50 else None)
     hits = [f for f in found if f is not None]
@@ -121,7 +125,10 @@ def stragglers(layout, mode, args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--modes", nargs="*", default=["slow", "slow-loss"])
+    parser.add_argument("--modes", nargs="*", default=["slow"])
+    parser.add_argument(
+        "--time-every", type=int, default=0, help="fit's time_every (slow-loss needs it)"
+    )
     parser.add_argument("--clean", type=int, default=2000, help="steps of the clean job")
     parser.add_argument("--slowdown", type=float, default=0.1)
     parser.add_argument("--hangs", type=int, default=20, help="jobs hung in a host callback")
@@ -133,7 +140,7 @@ def main():
         for layout in args.layouts:
             for mode in args.modes:
                 print(f"{layout} {mode}: {stragglers(layout, mode, args)}", flush=True)
-            _, false = job(layout, "clean", args.clean, 0.0)
+            _, false = job(layout, "clean", args.clean, 0.0, args.time_every)
             print(
                 f"{layout}: {len(false)} false alarm(s) over {args.clean} clean steps", flush=True
             )

@@ -75,7 +75,7 @@ def fit(
     callbacks: Sequence[Callable[[dict[str, Any]], None]] = (),
     log_every: int = 10,
     progress: bool = True,
-    time_every: int | None = None,
+    time_every: int = 0,
 ) -> tuple[T, History]:
     """Trains until ``state.step == num_steps``, resuming from the latest checkpoint.
 
@@ -119,13 +119,12 @@ def fit(
       log_every: steps between metric read-backs (each waits for the device).
       progress: show a rich progress bar with the loss and throughput, and
         at the end one line saying where the time went.
-      time_every: run every this many steps a twin of the step that reads
-        from the device how long each process computed and waited in the
-        first collective (compiled once more; ``docs/multi-host.md``).
-        Default: every ``log_every`` steps in a job of several processes,
-        never in one; 0: never. In exact mode a timed step computes the same
-        bits; otherwise XLA may round a value differently in it (the last bit
-        of the loss, in tests).
+      time_every: run every this many steps (0: never) a twin of the step
+        that reads from the device how long each process computed and waited
+        in the first collective, so the pace report can name a process slow
+        inside its step (compiled once more; ``docs/multi-host.md``). In
+        exact mode a timed step computes the same bits; otherwise XLA may
+        round a value differently in it (the last bit of the loss, in tests).
 
     Returns:
       ``(state, history)``.
@@ -136,7 +135,7 @@ def fit(
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
     standby = _standby_for(train_step, state, checkpointer)
     train_step, run = _runs(train_step, state, standby)
-    timed = _timed.timed(train_step, time_every, log_every)
+    timed = _timed.timed(train_step, time_every)
     state, history, ledger, record = _start(state, train_data, num_steps, checkpointer, standby)
     step = _step_of(state)
     batches, position = _batches(train_step, train_data)

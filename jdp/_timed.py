@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from jdp import _phases, _watchdog
+from jdp import _phases
 from jdp._args import check_int
 from jdp._pace import Pace, Sample, summary
 from jdp._stamps import Clock
@@ -64,16 +64,8 @@ class Timed:
         return summary(self.pace.windows)
 
 
-def timed(runner: Any, time_every: int | None, log_every: int) -> Timed | None:
-    """The twin ``fit`` calls every ``time_every`` steps, or None where nothing is timed.
-
-    ``time_every=None``: every ``log_every`` steps in a job of several
-    processes (where the pace report compares them) whose step a jdp
-    backend wraps, never in one; 0: never.
-    """
-    if time_every is None:
-        several = _watchdog.processes() > 1 and isinstance(runner, Backend)
-        time_every = log_every if several else 0
+def timed(runner: Any, time_every: int) -> Timed | None:
+    """The twin ``fit`` calls every ``time_every`` steps, or None (``time_every=0``)."""
     check_int(time_every, "time_every", minimum=0, where="jdp.fit")
     if time_every == 0:
         return None
@@ -82,7 +74,7 @@ def timed(runner: Any, time_every: int | None, log_every: int) -> Timed | None:
             f"jdp.fit: time_every={time_every} times a step wrapped by a jdp backend "
             f"(jdp.shard_map, jdp.pmap), got {type(runner).__name__}; pass time_every=0."
         )
-    if getattr(runner, "name", None) == "pmap" and jax.process_count() == 1:
+    if runner.name == "pmap" and jax.process_count() == 1:
         raise ValueError(
             f"jdp.fit: time_every={time_every} times steps on jdp.shard_map, or on jdp.pmap across "
             "processes; in one process jdp.pmap's layout cannot hold the device's stamps. Wrap "

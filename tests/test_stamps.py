@@ -135,11 +135,14 @@ def test_fit_times_every_k_steps_in_one_process_and_changes_no_bit_in_exact_mode
         pace = row["pace"]
         assert sorted(pace) == ["collective_ms/0", "compute_ms/0", "data_ms/0", "step_ms"], pace
         assert pace["compute_ms/0"] > 0 and pace["collective_ms/0"] > 0
-    assert all("pace" not in row for row in untimed.train)  # one process: nothing by default
+    assert all("pace" not in row for row in untimed.train)
 
 
-def test_a_default_fit_in_one_process_compiles_no_twin():
-    _, history = fit(time_every=None)
+def test_a_default_fit_times_nothing():
+    built = jdp.make_train_step(models.mlp_loss)
+    step = models.backend("shard_map", built, 8)
+    state = step.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
+    _, history = jdp.fit(step, state, BATCHES, num_steps=4, log_every=2, progress=False)
     assert all("pace" not in row for row in history.train)
 
 
@@ -148,6 +151,7 @@ def test_a_default_fit_in_one_process_compiles_no_twin():
     [
         ("2", TypeError, "jdp.fit: time_every must be an int >= 0, got '2' (str)."),
         (True, TypeError, "jdp.fit: time_every must be an int >= 0, got True (bool)."),
+        (None, TypeError, "jdp.fit: time_every must be an int >= 0, got None (NoneType)."),
         (-1, ValueError, "jdp.fit: time_every must be an int >= 0, got -1."),
     ],
 )

@@ -1,13 +1,14 @@
 """A job with a slow or a hung process, for tests/test_pace.py and benchmarks/pace.py.
 
-python tests/scripts/multiprocess_pace.py MODE STEPS SLOWDOWN   (under jdp.launch, srun, ...)
+python tests/scripts/multiprocess_pace.py MODE STEPS SLOWDOWN [TIME_EVERY]   (under jdp.launch, ...)
 
-Trains an MLP of 2.1M parameters with fit, logging every 10 steps; process 0
-prints its last row's ``pace`` to stderr at the end. MODE:
+Trains an MLP of 2.1M parameters with fit, logging every 10 steps and timing
+every TIME_EVERY steps on the device (default 0: none); process 0 prints its
+last row's ``pace`` to stderr at the end. MODE:
 
 - ``slow``: from step 21 the last process's data loader sleeps SLOWDOWN times
   its own mean step time over steps 11-20 before each batch (0.1: 10% slower;
-  steps 1-10 hold the compilations of the step and of fit's timed twin);
+  steps 1-10 hold the compilations of the step and of a timed twin);
 - ``slow-loss``: the same sleep, from step 21, inside the last process's loss
   (a host callback whose result the loss uses): its device computes longer;
 - ``clean``: no process sleeps;
@@ -84,14 +85,20 @@ def batches(mode, last, slowdown):
         yield {"x": x, "y": y, "step": np.full(64, step, np.int32)}
 
 
-def main(mode, steps, slowdown):
+def main(mode, steps, slowdown, time_every):
     last = jax.process_index() == jax.process_count() - 1
     hang_at = 8 if mode == "hang-step" and last else None
     slowed = mode == "slow-loss" and last
     step = jdp.pmap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at, slowed)))
     state = step.replicate(jdp.TrainState.create(params=params(), tx=optax.adam(1e-4)))
     _, history = jdp.fit(
-        step, state, batches(mode, last, slowdown), num_steps=steps, log_every=10, progress=False
+        step,
+        state,
+        batches(mode, last, slowdown),
+        num_steps=steps,
+        log_every=10,
+        time_every=time_every,
+        progress=False,
     )
     if jax.process_index() == 0:  # its rows carry every process's data wait
         print("pace", json.dumps(history.train[-1].get("pace")), file=sys.stderr, flush=True)
@@ -99,4 +106,4 @@ def main(mode, steps, slowdown):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int((sys.argv[4:] or [0])[0]))
