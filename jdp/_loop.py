@@ -214,9 +214,10 @@ def _note_time(
     device times per timed step (in one process that times, its own).
     """
     seconds = ledger.totals()
-    pace = _watchdog.note_time(step, seconds, None if timed is None else timed.totals())
     if timed is not None and _watchdog.processes() == 1:
         pace = timed.alone(step, seconds)
+    else:
+        pace = _watchdog.note_time(step, seconds, None if timed is None else timed.totals())
     if record is not None:
         record.write(seconds)
     return {"time": seconds, "pace": pace} if pace else {"time": seconds}

@@ -19,6 +19,7 @@ without CSE, so one device and many run the same passes.
 """
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from jdp._args import check_int
 from jdp._bitflip import FaultedBatch, flip_rows
 from jdp._collectives import refuse_collectives
 from jdp._conv_layout import evaluate_canonical
-from jdp._forward import Forward
+from jdp._forward import Contribution, Forward
 from jdp._state import TrainState
 from jdp._tree import PyTree
 from jdp._weighting import safe_divide
@@ -214,25 +215,10 @@ def exact_gradients(
     outs = _phases.mark_contribution(outs, axis_name, rows=True)
     weighted = outs.weight is not None
     weights = outs.weight if weighted else jnp.ones((per_device,), jnp.float32)
-    zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
-    totals = jax.vmap(zero)(outs.total, weights)
-    own_losses = safe_divide(totals, weights) if weighted else totals
     # Two collectives in all, whatever the model: one small all_gather of
     # every scalar the devices share, and one all_to_all + all_gather of the
     # gradients and floating model state, packed into a single vector.
-    shared_weight = tree_sum(weights)
-    scalars = {
-        "weight": shared_weight,
-        "total": tree_sum(totals),
-        "aux": {
-            k: tree_sum(jax.vmap(zero)(v * _expand(weights, v), weights))
-            for k, v in outs.aux.items()
-        },
-    }
-    packed, unpack = ravel_pytree(scalars)
-    gathered = lax.all_gather(jnp.concatenate([packed, own_losses]), axis_name)
-    shared = unpack(tree_sum(gathered[:, : packed.size]))
-    every = gathered[:, packed.size :].reshape(-1)  # (G,), in virtual-replica order
+    shared, every = _shared_scalars(outs, weights, weighted, axis_name)
     # A plain loss divides by the constant G on every device count: a total
     # computed through collectives would be a constant only where n = 1 (XLA
     # drops one-device collectives), and folding it there changes the bits.
@@ -246,7 +232,7 @@ def exact_gradients(
     aux = {name: safe_divide(v, total_weight) for name, v in shared["aux"].items()}
     # ``weight`` stays per device (this device's share), as in the ordinary
     # step, so summing it over devices gives the global weight.
-    mine = shared_weight if weighted else None
+    mine = tree_sum(weights) if weighted else None
     grads, seen = _phases.mark_gradients(
         _phases.REDUCTION, grads, {"model_state": model_state}, axis_name
     )
@@ -258,6 +244,30 @@ def exact_gradients(
             "mode's own metrics; rename them."
         )
     return Reduced(grads, loss, mine, model_state, {**aux, **own})
+
+
+def _shared_scalars(
+    outs: Contribution, weights: jax.Array, weighted: bool, axis_name: str
+) -> tuple[dict[str, Any], jax.Array]:
+    """One all_gather of every scalar the devices share: ``(their sums, every replica's loss)``.
+
+    The sums are the weight, the loss total and each aux total; the losses
+    are ``(G,)``, in virtual-replica order.
+    """
+    zero = (lambda x, w: jnp.where(w > 0, x, jnp.zeros_like(x))) if weighted else (lambda x, w: x)
+    totals = jax.vmap(zero)(outs.total, weights)
+    own_losses = safe_divide(totals, weights) if weighted else totals
+    scalars = {
+        "weight": tree_sum(weights),
+        "total": tree_sum(totals),
+        "aux": {
+            k: tree_sum(jax.vmap(zero)(v * _expand(weights, v), weights))
+            for k, v in outs.aux.items()
+        },
+    }
+    packed, unpack = ravel_pytree(scalars)
+    gathered = lax.all_gather(jnp.concatenate([packed, own_losses]), axis_name)
+    return unpack(tree_sum(gathered[:, : packed.size])), gathered[:, packed.size :].reshape(-1)
 
 
 def _this_devices_virtual_replicas(
