@@ -44,13 +44,22 @@ def leaf_words(x: jax.Array) -> jax.Array:
 
 
 def leaf_hash(words: jax.Array, offset: jax.Array, leaf: int) -> jax.Array:
+    """``(2,)`` uint32: the sums of ``words`` times each lane's odd position constants."""
     positions = offset + jnp.arange(words.size, dtype=jnp.uint32)
-    lanes = []
+    products = []
     for lane, salt in zip(_LANES, _SALTS, strict=True):
         leaf_salt = jnp.uint32((salt * (leaf + 1)) % 2**32)
-        multiplier = (positions * jnp.uint32(lane) + leaf_salt) | jnp.uint32(1)
-        lanes.append(jnp.sum(words * multiplier, dtype=jnp.uint32))
-    return jnp.stack(lanes)
+        products.append(words * ((positions * jnp.uint32(lane) + leaf_salt) | jnp.uint32(1)))
+    # One variadic reduce for both lanes: XLA:CPU then reads the words once in
+    # one vectorized loop; two jnp.sum reductions ran 8x slower on 8 devices
+    # (18.2 ms against 2.3 ms for 2M words per device, benchmarks/audit.py).
+    zero = jnp.uint32(0)
+    sums = lax.reduce(tuple(products), (zero, zero), _add_pairs, (0,))
+    return jnp.stack(sums)
+
+
+def _add_pairs(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple:
+    return a[0] + b[0], a[1] + b[1]
 
 
 def hash_leaves(leaves: list, chosen: list[bool], index: jax.Array | None = None) -> jax.Array:
