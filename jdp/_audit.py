@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdp import _watchdog
+from jdp import _schedule, _watchdog
 from jdp._args import check_int
 from jdp._tree import PyTree
 from jdp.metrics._base import Metric, StepView, exact_int
@@ -104,8 +104,11 @@ def agreement(view: StepView, every: int) -> jax.Array:
         held = jnp.max(votes[:, jnp.maximum(leaf, 0)])
         return jnp.stack([step, replica, leaf, held]).astype(jnp.int32)
 
-    if every == 1:  # no branch and no gate: each costs about 1.5 ms a step on XLA:CPU
+    chosen = _schedule.due("audit")
+    if every == 1 or chosen:  # no branch and no gate: each costs about 1.5 ms a step on XLA:CPU
         return audit()
+    if chosen is not None:  # the host chose a step without the audit: no part of it runs
+        return jnp.stack([own, *[jnp.int32(NOT_AUDITED)] * 2, jnp.int32(0)])
     high, neg_low = lax.pmax(jnp.stack([own, -own]), view.axis_name)  # one tiny all-reduce
     low = -neg_low
     skipped = jnp.stack([low, *[jnp.int32(NOT_AUDITED)] * 2, jnp.int32(0)])

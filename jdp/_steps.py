@@ -64,6 +64,12 @@ class TrainStep:
         """The XLA options the strategy needs the step compiled with, or None."""
         return dict(self.strategy.compiler_options) or None
 
+    @property
+    def checks(self) -> dict[str, int]:
+        """``{name: every}``: the checks it runs every ``every`` steps (the audit, the strategy's)."""
+        audit = {} if self.audit is None else {"audit": self.audit.every}
+        return {**audit, **dict(self.strategy.checks)}
+
 
 @dataclasses.dataclass(frozen=True)
 class EvalStep:

@@ -21,6 +21,7 @@ LAYERS = [
         "jdp._ledger",
         "jdp._pace",
         "jdp._host_callbacks",
+        "jdp._schedule",
     ],
     ["jdp._tree", "jdp._devices", "jdp._watchdog", "jdp._bitflip"],
     ["jdp.distributed", "jdp._batching", "jdp._collectives", "jdp._conv_layout"],

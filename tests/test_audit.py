@@ -7,6 +7,7 @@ import textwrap
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -56,6 +57,38 @@ def test_clean_steps_agree_and_the_audit_changes_nothing(backend, strategy):
     step.check_audit()
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_host_chooses_the_audited_steps_and_the_others_run_none_of_it(backend):
+    """every=4 from a state at step 6 (the first call reads its count from the device): steps 8
+    and 12 are audited; the other steps' compilation holds no part of the audit; under an outer
+    jax.jit, where the host cannot know the count, the graph decides, with the same rows."""
+    step = audited(backend, jdp.strategies.data_parallel(), every=4)
+    plain = models.backend(backend, jdp.make_train_step(models.mlp_loss), 8)
+    start = initial_state().replace(step=jnp.asarray(6, jnp.int32))
+
+    def run(call, runner):
+        state, rows = runner.replicate(start), []
+        for batch in DATA[:6]:
+            state, metrics = call(state, runner.shard(batch))
+            rows.append(np.asarray(metrics["audit"])[0].tolist() if "audit" in metrics else None)
+        return state, rows
+
+    state, rows = run(step, step)
+    skipped = lambda k: [k, -2, -2, 0]  # noqa: E731
+    assert rows == [skipped(7), [8, -1, -1, 8], *map(skipped, (9, 10, 11)), [12, -1, -1, 8]]
+    twins = step._twins  # by the checks each runs
+    assert sorted(map(sorted, twins)) == [[], ["audit"]]
+    batch = step.shard(DATA[0])
+    assert "all_gather" not in twins[frozenset()].lower(state, batch).as_text()
+    assert "all_gather" in twins[frozenset({"audit"})].lower(state, batch).as_text()
+    traced, traced_rows = run(jax.jit(lambda s, b: step(s, b)), step)
+    reference, _ = run(plain, plain)
+    assert traced_rows == rows
+    for a, b, c in zip(*map(jax.tree.leaves, (state, traced, reference)), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(c)) and np.array_equal(
+            np.asarray(b), np.asarray(c)
+        )
 
 
 def candidate_leaves(state):

@@ -74,6 +74,28 @@ def test_the_check_changes_no_bit_and_agrees_on_clean_steps(backend, n):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_host_chooses_the_checked_steps_and_the_others_run_none_of_it(backend):
+    """recompute_every=4 from a state at step 6: steps 8 and 12 are checked; the other steps'
+    compilation moves no micro-batch to a neighbour; the bits are exact(G)'s."""
+    plain = models.backend(
+        backend, jdp.make_train_step(models.mlp_loss, strategy=jdp.strategies.exact(G)), 8
+    )
+    step = checked(backend, 8, every=4, faults=False)
+    start = initial_state().replace(step=jax.numpy.asarray(6, jax.numpy.int32))
+    state, metrics = run(step, step.replicate(start), DATA[:6])
+    step.check_audit()
+    assert [m[:2] for m in metrics] == [[7, -2], [8, -1], [9, -2], [10, -2], [11, -2], [12, -1]]
+    batch = step.shard(DATA[0])
+    assert sorted(map(sorted, step._twins)) == [[], ["recompute"]]
+    assert "collective_permute" not in step._twins[frozenset()].lower(state, batch).as_text()
+    assert "collective_permute" in step.lower(state, batch).as_text()  # the graph's own choice
+    reference = plain.replicate(start)
+    for b in DATA[:6]:
+        reference, _ = plain(reference, plain.shard(b))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(reference), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def random_fault(rng, n, every=1):
     """A fault on the owner or the recomputer of a checked virtual replica; the expected row."""
     per_device = G // n

@@ -10,13 +10,14 @@ arrives in the other backend's layout.
 """
 
 import abc
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import jax
 
-from jdp import _layout, _watchdog
+from jdp import _layout, _schedule, _watchdog
 from jdp._audit import Checker
 from jdp._batching import leaves_with_paths
 from jdp._devices import warn_if_cpu_pool_unsafe
@@ -78,6 +79,7 @@ class Backend(abc.ABC, Generic[K]):
         self._replicas_checked = False
         self._lean = False  # after the first call, when nothing is left to check per call
         self._audit = _checker(step, self.name, self._replica_devices())
+        self._twins: dict[frozenset[str], Backend[K]] = {}  # by the checks they run
         warn_if_cpu_pool_unsafe(size)
 
     @property
@@ -145,13 +147,14 @@ class Backend(abc.ABC, Generic[K]):
                 return self._failed(e, state, batch)
         return self._checked_call(state, batch)
 
-    def _checked_call(self, state: Any, batch: PyTree, call: Compiled | None = None) -> Any:
+    def _checked_call(self, state: Any, batch: PyTree, spare: list[jax.Array] | None = None) -> Any:
         self._check_call(state, batch)
         if not self._replicas_checked and not _consumed(state):
             check_replicas_agree(state, f"jdp.{self.name}")
             self._replicas_checked = not _traced(state)
             self._lean = self._replicas_checked and self._nothing_per_call()
-        fn = self._fn if call is None else call
+        runner, count = self._scheduled(state)
+        fn = runner._fn if spare is None else runner._into(spare)
         if self._has_options and _traced(state):
             _warn_options_lost(self.step)
             fn = self._fn_traced
@@ -162,6 +165,8 @@ class Backend(abc.ABC, Generic[K]):
             out = fn(state, batch)
         except (ValueError, TypeError, IndexError, NameError, RuntimeError) as e:
             return self._failed(e, state, batch)
+        if count is not None:
+            _schedule.COUNTS.returned(out[0].step, count + 1)
         if self._audit is not None:
             self._audit.note(out[1], out[0])
         if _watchdog.counts_results():  # several processes; the metrics are never donated
@@ -169,6 +174,30 @@ class Backend(abc.ABC, Generic[K]):
             if not _traced(result):
                 _watchdog.note_result(result)
         return out
+
+    def _scheduled(self, state: Any) -> tuple["Backend[K]", int | None]:
+        """The compilation to run and the state's step count (None: unknown on the host).
+
+        Where the step runs checks every k steps and the host knows the
+        count, a twin compiled with only the checks due at this step
+        (:mod:`jdp._schedule`); else this step, which decides in the graph.
+        """
+        periods = self.step.checks if isinstance(self.step, TrainStep) else {}
+        if not periods or _traced(state):
+            return self, None
+        count = _schedule.COUNTS.value(getattr(state, "step", None))
+        if count is None:
+            return self, None
+        due = _schedule.due_checks(periods, count + 1)
+        twin = self._twins.get(due)
+        if twin is None:
+            fn = _schedule.scheduled(self.step.fn, due)
+            twin = self._twins[due] = self.with_step(dataclasses.replace(self.step, fn=fn))
+        return twin, count
+
+    def _into(self, spare: list[jax.Array]) -> Compiled:
+        """The step that writes its new state into ``spare`` (a backend that recycles)."""
+        raise ValueError(NO_CALL_INTO.format(name=self.name))
 
     def _nothing_per_call(self) -> bool:
         return not (

@@ -98,6 +98,9 @@ class ShardMapStep(Backend[K]):
             raise ValueError(NO_CALL_INTO.format(name=self.name))
         if _traced(state):  # an outer jit allocates its outputs: nothing to write into
             return self._checked_call(state, batch)
+        return self._checked_call(state, batch, spare)
+
+    def _into(self, spare: list[jax.Array]) -> Compiled:
         if self._fn_into is None:
             # keep_unused: an unread argument is otherwise pruned, and its buffers
             # with it, so nothing would be written into them.
@@ -108,7 +111,7 @@ class ShardMapStep(Backend[K]):
                 compiler_options=self.step.compiler_options,
             )
         into = self._fn_into
-        return self._checked_call(state, batch, lambda state, batch: into(state, batch, spare))
+        return lambda state, batch: into(state, batch, spare)
 
     def _run(self, state: PyTree, batch: PyTree) -> PyTree:
         """Traced once per input structure: the checks, then the mapped step."""

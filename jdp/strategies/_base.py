@@ -74,6 +74,9 @@ class Strategy(NamedTuple):
         the parameters gathers them here).
       metric_rules: ``(name, rule)`` pairs for the metrics this strategy
         adds or computes differently (:mod:`jdp.metrics`).
+      checks: ``(name, every)`` for each check the step runs every
+        ``every`` steps, which a backend may schedule from the host
+        (:mod:`jdp._schedule`).
     """
 
     name: str
@@ -84,6 +87,7 @@ class Strategy(NamedTuple):
     compiler_options: tuple[tuple[str, str | bool], ...] = ()
     whole_params: ParamsFn = held_params
     metric_rules: tuple[tuple[str, Rule], ...] = ()
+    checks: tuple[tuple[str, int], ...] = ()
 
 
 class Communication(NamedTuple):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
-from jdp import _phases, _tree, metrics
+from jdp import _phases, _schedule, _tree, metrics
 from jdp._args import check_int
 from jdp._bitflip import FaultedBatch, flip_rows
 from jdp._collectives import refuse_collectives
@@ -46,6 +46,7 @@ from jdp.strategies._base import (
 )
 from jdp.strategies._recompute import check as recompute_check
 from jdp.strategies._recompute import plan as recompute_plan
+from jdp.strategies._recompute import skipped as recompute_skipped
 from jdp.strategies._zero1 import cut_for_update, gather_cut, update_cut
 from jdp.strategies._zero1 import place as zero1_place
 
@@ -114,6 +115,7 @@ def exact(
         plain_norm,
         zero1_place if shard_optimizer_state else replicate_state,
         compiler_options=EXACT_COMPILER_OPTIONS,
+        checks=(("recompute", recompute_every),) if recompute_every is not None else (),
         # The global values, on every replica alike.
         metric_rules=(
             ("loss", metrics.same),
@@ -289,8 +291,9 @@ def _this_devices_virtual_replicas(
     index = first + jnp.arange(per_device, dtype=jnp.int32)
     key_index = lambda j: first + j  # noqa: E731
     extra = None
-    if recompute_every is not None:
-        extra = recompute_plan(state.step, recompute_every, micro, per_device, axis_name)
+    due = _schedule.due("recompute")
+    if recompute_every is not None and due is not False:
+        extra = recompute_plan(state.step, recompute_every, micro, per_device, axis_name, due)
         micro = jax.tree.map(lambda x, e: jnp.concatenate([x, e]), micro, extra.micro)
         index = jnp.concatenate([index, extra.virtual_replicas])
         theirs = extra.virtual_replicas
@@ -316,7 +319,8 @@ def _this_devices_virtual_replicas(
     flip = functools.partial(_flip, index=index, fault=fault, state=state, axis_name=axis_name)
     if extra is None:
         own = jax.tree.map(lambda b: b[:per_device], run(buffers, 0, per_device))
-        return flip(own, first=per_device), None
+        skipped = None if recompute_every is None else recompute_skipped(state.step)
+        return flip(own, first=per_device), skipped
     buffers = run(buffers, 0, per_device + extra.checked.astype(jnp.int32))
     # A fault is transient: it hits a device's first computation of a virtual replica only.
     buffers = flip(buffers, first=per_device + (n > 1))

@@ -44,12 +44,15 @@ class Extra(NamedTuple):
     row: jax.Array  # which of its own rows each device has checked
 
 
-def plan(step: jax.Array, every: int, micro: PyTree, per_device: int, axis_name: str) -> Extra:
+def plan(
+    step: jax.Array, every: int, micro: PyTree, per_device: int, axis_name: str, due: bool | None
+) -> Extra:
     """This step's check: whether it runs, which rows, and the neighbours' micro-batches.
 
-    Each device decides from its own step count; no collective depends on
-    the decision, so devices that disagree (a step count hit by a fault)
-    cannot wait on each other.
+    ``due``: True where the host chose this step for the check
+    (:mod:`jdp._schedule`); None where each device decides from its own
+    step count. No collective depends on that decision, so devices that
+    disagree (a step count hit by a fault) cannot wait on each other.
     """
     n = lax.axis_size(axis_name)
     after = (step + 1).astype(jnp.int32)
@@ -59,7 +62,14 @@ def plan(step: jax.Array, every: int, micro: PyTree, per_device: int, axis_name:
     device = lax.axis_index(axis_name)
     theirs = jnp.stack([((device - k) % n) * per_device + row for k in (1, 2)]).astype(jnp.int32)
     both = jax.tree.map(lambda *x: jnp.concatenate(x), *moved)
-    return Extra(both, theirs, after % every == 0, after, row)
+    checked = (after % every == 0) if due is None else jnp.asarray(True)
+    return Extra(both, theirs, checked, after, row)
+
+
+def skipped(step: jax.Array) -> jax.Array:
+    """The metric of a step the host chose not to check: ``[step after it, -2, ...]``."""
+    after = (step + 1).astype(jnp.int32)
+    return jnp.stack([after, *[jnp.int32(NOT_CHECKED)] * (WIDTH - 1)])
 
 
 def hashes(contribution: PyTree) -> jax.Array:
