@@ -12,6 +12,11 @@ leaf that differs, and how many replicas hold the majority's value; or
 ``[step, -1, -1, n]`` when all agree, ``[step, -2, -2, 0]`` on a step that
 was not audited.
 
+Which steps are audited the backend chooses on the host where it knows the
+step count (:mod:`jdp._schedule`): the steps in between run a compilation
+without the audit. Where it cannot know (under an outer ``jax.jit``), the
+step decides in the graph.
+
 The backend reads a call's result at its next call, after dispatching it
 (so the device never waits), or at :meth:`check_audit`; ``jdp.fit`` checks
 before every checkpoint save, so no checkpoint holds a state that failed.

@@ -196,12 +196,21 @@ _PHASES = {
 
 
 def _call(run, timed: "_timed.Timed | None", state, batch, step: int, ledger: Ledger, first: bool):
-    """The call that makes ``step``: timed where due; a first call (of either twin) compiles."""
+    """The call that makes ``step``: timed where due; a first call (of either twin, or of a
+    twin that runs a periodic check) compiles."""
     if timed is None or not timed.due(step):
-        _enter(ledger, "compile" if first else "train", step)
+        compiles = first or _compiles(run.runner, state)
+        _enter(ledger, "compile" if compiles else "train", step)
         return run(state, batch)
-    _enter(ledger, "train" if timed.compiled else "compile", step)
+    compiles = not timed.compiled or _compiles(timed.runner, state)
+    _enter(ledger, "compile" if compiles else "train", step)
     return timed(run, state, batch)
+
+
+def _compiles(runner: Runner, state: PyTree) -> bool:
+    """Whether ``runner`` compiles a twin in this call (a runner of one's own never says)."""
+    compiles = getattr(runner, "compiles", None)
+    return bool(compiles is not None and compiles(state))
 
 
 def _note_time(

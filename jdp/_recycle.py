@@ -58,6 +58,11 @@ class Spares:
             self._standby.on_drop = self._dropped
             self.protect(state)
 
+    @property
+    def runner(self) -> Any:
+        """The step it runs when given no twin."""
+        return self._runner
+
     def __call__(self, state: PyTree, batch: PyTree, runner: Any = None) -> Any:
         """Runs the step on ``state``; where recycling, writes it into a spare.
 

@@ -67,10 +67,12 @@ class Counts:
                 return value
         if not isinstance(counter, jax.Array) or counter.is_deleted():
             return None
-        return int(np.asarray(counter.addressable_shards[0].data).reshape(-1)[0])
+        value = int(np.asarray(counter.addressable_shards[0].data).reshape(-1)[0])
+        self.returned(counter, value)
+        return value
 
     def returned(self, counter: Any, value: int) -> None:
-        """A step returned ``counter``, which holds ``value``."""
+        """``counter`` (a step returned it, or it was read) holds ``value``."""
         self._known = [(counter, value), *self._known[: self._keep - 1]]
 
 

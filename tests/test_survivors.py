@@ -46,8 +46,10 @@ def fit(
     strategy=None,
     backend="pmap",
     local_directory=None,
+    audit=None,
+    time_every=0,
 ):
-    train_step = jdp.make_train_step(models.mlp_loss, strategy=strategy)
+    train_step = jdp.make_train_step(models.mlp_loss, strategy=strategy, audit=audit)
     step = models.backend(backend, train_step, 8, donate_state=None if donate else False)
     state = jdp.TrainState.create(params=models.mlp_params(), tx=optax.adam(1e-2))
     if local_directory is None and local:
@@ -63,6 +65,7 @@ def fit(
             callbacks=callbacks,
             log_every=1,
             progress=False,
+            time_every=time_every,
         )
 
 
@@ -96,6 +99,34 @@ def test_a_failed_fit_resumes_from_the_kept_step_not_the_checkpoint(tmp_path):
     for got, expected in zip(leaves(state), leaves(reference), strict=True):
         np.testing.assert_array_equal(got, expected)
     assert not list((tmp_path / "local").rglob("*.npz"))  # a finished run removes its copies
+
+
+def test_timed_and_audited_steps_keep_the_copy_and_resume_to_the_same_bits(tmp_path):
+    """Under jdp.shard_map fit writes each new state into a spare (call_into), also from the
+    timed twin (every 3 steps) and the audit's twins (every 4): a failure at step 8 resumes
+    from the kept step to the bits of the plain run."""
+    exact = jdp.strategies.exact(8)
+    reference, _ = fit(tmp_path / "reference", 12, strategy=exact, backend="shard_map")
+    checked = dict(strategy=exact, backend="shard_map", audit=jdp.Audit(every=4), time_every=3)
+    with pytest.raises(RuntimeError, match="failed at step 8"):
+        fit(tmp_path, 12, callbacks=[fail_at(8)], **checked)
+    assert _standby_restore.newest(next((tmp_path / "local").iterdir())) == 8
+    state, history = fit(tmp_path, 12, **checked)
+    assert history.resumed_at == [8]
+    audits = {row["step"]: list(row["audit"]) for row in history.train}
+    assert audits == {k: [k, -1, -1, 8] if k % 4 == 0 else [k, -2, -2, 0] for k in range(1, 13)}
+    rows = history.train[8:]  # the resumed run's
+    assert any("compute_ms/0" in row.get("pace", {}) for row in rows)
+    # The ledger books each twin's first call as compilation: the timed twin at step 9, the
+    # ordinary step (between audits) at 10, the timed twin's audited twin at 12.
+    grew = [
+        b["step"]
+        for a, b in zip(history.train[7:-1], rows, strict=True)
+        if b["time"]["compile"] > a["time"]["compile"]
+    ]
+    assert grew == [9, 10, 12], [(r["step"], r["time"]) for r in rows]
+    for got, expected in zip(leaves(state), leaves(reference), strict=True):
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_a_copy_older_than_the_checkpoint_is_not_used(tmp_path):

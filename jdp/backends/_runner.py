@@ -80,6 +80,7 @@ class Backend(abc.ABC, Generic[K]):
         self._lean = False  # after the first call, when nothing is left to check per call
         self._audit = _checker(step, self.name, self._replica_devices())
         self._twins: dict[frozenset[str], Backend[K]] = {}  # by the checks they run
+        self._called = False  # as a twin: whether a call ran it (compiled it)
         warn_if_cpu_pool_unsafe(size)
 
     @property
@@ -167,6 +168,7 @@ class Backend(abc.ABC, Generic[K]):
             return self._failed(e, state, batch)
         if count is not None:
             _schedule.COUNTS.returned(out[0].step, count + 1)
+            runner._called = True
         if self._audit is not None:
             self._audit.note(out[1], out[0])
         if _watchdog.counts_results():  # several processes; the metrics are never donated
@@ -194,6 +196,16 @@ class Backend(abc.ABC, Generic[K]):
             fn = _schedule.scheduled(self.step.fn, due)
             twin = self._twins[due] = self.with_step(dataclasses.replace(self.step, fn=fn))
         return twin, count
+
+    def compiles(self, state: Any) -> bool:
+        """Whether a call with ``state`` runs a twin of the step for the first time.
+
+        A twin with a periodic check compiles on the first step that needs
+        it, not on the first call; ``jdp.fit``'s ledger counts that call's
+        time as compilation.
+        """
+        runner, _ = self._scheduled(state)
+        return runner is not self and not runner._called
 
     def _into(self, spare: list[jax.Array]) -> Compiled:
         """The step that writes its new state into ``spare`` (a backend that recycles)."""
