@@ -165,10 +165,12 @@ def test_a_stall_names_the_process_behind(progress, verdict):
     assert _watchdog._verdict(progress, 2).startswith(verdict)
 
 
-def launch(mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch", time_every=0):
+def launch(
+    mode, steps, slowdown=0.0, timeout=20, launcher="jdp.launch", time_every=0, backend="pmap"
+):
     """Runs the 2 x 2 job under ``launcher``; ``(return code, stderr, when it ended)``."""
     env = clean_env(PYTHONPATH=str(ROOT))
-    args = [SCRIPT, mode, str(steps), str(slowdown), str(time_every)]
+    args = [SCRIPT, mode, str(steps), str(slowdown), str(time_every), backend]
     if launcher == "jdp.launch":
         cmd = launch_command("--timeout", str(timeout), *args)
         run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -235,9 +237,10 @@ def test_a_process_slowed_ten_percent_in_its_data_is_named_within_50_steps():
     assert pace["spread_ms"] == pytest.approx(pace["data_ms/1"] - pace["data_ms/0"], rel=1e-12)
 
 
-def test_a_process_slowed_ten_percent_in_its_loss_is_named_within_50_steps():
+@pytest.mark.parametrize("backend", ["pmap", "shard_map"])
+def test_a_process_slowed_ten_percent_in_its_loss_is_named_within_50_steps(backend):
     """The sleep is inside the step, so the host's waits cannot see it: the device's stamps do."""
-    code, err, _ = launch("slow-loss", 90, slowdown=0.1, time_every=10)
+    code, err, _ = launch("slow-loss", 90, slowdown=0.1, time_every=10, backend=backend)
     assert code == 0, err[-3000:]
     found = re.search(
         r"process 1 of 2 on \S+ \(devices [\d, ]+\) sets the job's pace: it waited [\d.]+ ms "

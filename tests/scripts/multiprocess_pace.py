@@ -1,10 +1,11 @@
 """A job with a slow or a hung process, for tests/test_pace.py and benchmarks/pace.py.
 
-python tests/scripts/multiprocess_pace.py MODE STEPS SLOWDOWN [TIME_EVERY]   (under jdp.launch, ...)
+python tests/scripts/multiprocess_pace.py MODE STEPS SLOWDOWN [TIME_EVERY [BACKEND]]   (under jdp.launch, ...)
 
 Trains an MLP of 2.1M parameters with fit, logging every 10 steps and timing
-every TIME_EVERY steps on the device (default 0: none); process 0 prints its
-last row's ``pace`` to stderr at the end. MODE:
+every TIME_EVERY steps on the device (default 0: none), under BACKEND
+(``pmap``, the default, or ``shard_map``); process 0 prints its last row's
+``pace`` to stderr at the end. MODE:
 
 - ``slow``: from step 21 the last process's data loader sleeps SLOWDOWN times
   its own mean step time over steps 11-20 before each batch (0.1: 10% slower;
@@ -85,11 +86,12 @@ def batches(mode, last, slowdown):
         yield {"x": x, "y": y, "step": np.full(64, step, np.int32)}
 
 
-def main(mode, steps, slowdown, time_every):
+def main(mode, steps, slowdown, time_every, backend):
     last = jax.process_index() == jax.process_count() - 1
     hang_at = 8 if mode == "hang-step" and last else None
     slowed = mode == "slow-loss" and last
-    step = jdp.pmap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at, slowed)))
+    wrap = {"pmap": jdp.pmap, "shard_map": jdp.shard_map}[backend]
+    step = wrap(jdp.make_train_step(lambda w, b: loss(w, b, hang_at, slowed)))
     state = step.replicate(jdp.TrainState.create(params=params(), tx=optax.adam(1e-4)))
     _, history = jdp.fit(
         step,
@@ -106,4 +108,5 @@ def main(mode, steps, slowdown, time_every):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int((sys.argv[4:] or [0])[0]))
+    time_every, backend = [*sys.argv[4:], "0", "pmap"][:2]
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(time_every), backend)
