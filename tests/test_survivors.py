@@ -228,7 +228,8 @@ def test_a_local_directory_that_is_not_a_path_is_a_type_error(tmp_path):
 def test_the_host_copy_reads_keys_and_both_layouts(tmp_path):
     state = {"w": jnp.arange(6.0).reshape(2, 3), "key": jax.random.key(4)}
     for placed in (jdp.replicate(state), jdp.shard_map(lambda s, b: (s, {})).replicate(state)):
-        host = _standby._host_copy(placed, [None, None])
+        # The copy reads only completed buffers; the placement's transfer is asynchronous.
+        host = _standby._host_copy(jax.block_until_ready(placed), [None, None])
         assert host is not None
         arrays, described = host
         np.testing.assert_array_equal(arrays["leaf1"], np.asarray(state["w"]))
