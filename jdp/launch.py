@@ -45,9 +45,11 @@ from jdp.distributed import (
 GRACE_SECONDS = 5.0
 PREEMPTION_GRACE = 35.0  # a little over the processes' own (jdp._watchdog): 30 s
 DEFAULT_TIMEOUT = 120
-# Gloo prints one line per rank and connection (two ranks' lines can
-# interleave mid-line); shown with --verbose.
-NOISE = re.compile(r"connected to \d+ peer ranks|^\[Gloo\] Rank $")
+# Gloo prints one line per rank and connection; its writes from several
+# threads can split and interleave mid-line (seen: "[Gloo] Rank 1 is connected
+# to [Gloo] Rank 11 peer ranks. ..."), so any piece of one is noise. Shown
+# with --verbose.
+NOISE = re.compile(r"\[Gloo\]|peer ranks")
 PR_SET_PDEATHSIG = 1
 
 

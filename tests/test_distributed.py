@@ -1,5 +1,7 @@
 """Several processes through jdp.launch: same results as one process, and no hangs."""
 
+import collections
+import io
 import os
 import pathlib
 import subprocess
@@ -12,6 +14,7 @@ import pytest
 
 import jdp
 from jdp import distributed
+from jdp import launch as launcher
 from tests import models
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -102,3 +105,21 @@ def test_a_checkpoint_folder_per_process_is_refused_naming_the_folders(tmp_path)
         assert f"process {i}: {tmp_path / str(i)}" in run.stdout, run.stdout[-3000:]
     assert "refused: jdp.Checkpointer: the processes name different folders" in run.stdout
     assert time.monotonic() - start < 60
+
+
+def test_gloo_lines_are_quiet_also_when_their_pieces_interleave():
+    # Pieces as two threads of one process wrote them (seen in a test run).
+    lines = (
+        "[Gloo] Rank 1 is connected to [Gloo] Rank 11 peer ranks.  is connected to Expected "
+        "number of connected peer ranks is : 1\n"
+        "1 peer ranks. Expected number of connected peer ranks is : 1\n"
+        "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+        "step 0\n"
+    )
+    shown, tail = io.StringIO(), collections.deque()
+    launcher._pump(io.StringIO(lines), "[1] ", shown, tail, verbose=False)
+    assert shown.getvalue() == "[1] step 0\n"
+    assert len(tail) == 4  # kept for the failure report
+    shown = io.StringIO()
+    launcher._pump(io.StringIO(lines), "[1] ", shown, collections.deque(), verbose=True)
+    assert shown.getvalue().count("[1] ") == 4
