@@ -61,7 +61,8 @@ def place_rows(rows: np.ndarray, sharding: NamedSharding, row_of) -> jax.Array:
         jax.device_put(rows[row_of(d)][None], d, may_alias=False)
         for d in sharding.addressable_devices
     ]
-    shape = (sharding.mesh.size,) + rows.shape[1:]
+    axis = sharding.spec[0]  # the data axis: other axes of the mesh hold copies of a row
+    shape = (sharding.mesh.shape[axis],) + rows.shape[1:]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
@@ -70,10 +71,18 @@ def rows_like(x: jax.Array, size: int) -> Callable[[Any], jax.Array]:
     sharding = x.sharding
     if not isinstance(sharding, NamedSharding):
         raise TypeError(f"jdp: a per-replica leaf must have a NamedSharding, got {sharding}.")
-    devices = list(sharding.mesh.devices.flat)
-    # pmap across processes: each process's mesh holds its own devices, and a
-    # device's row is its index among every process's devices.
-    row_of = devices.index if sharding.mesh.size == size else jax.devices().index
+    mesh = sharding.mesh
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"jdp: a per-replica leaf must live on a concrete Mesh, got {mesh}.")
+    row_of: Callable[[jax.Device], int]
+    if len(mesh.axis_names) > 1:  # a mesh with model axes: the row is the data index
+        row_of = data_index(mesh, sharding.spec[0])
+    elif mesh.size == size:
+        row_of = list(mesh.devices.flat).index
+    else:
+        # pmap across processes: each process's mesh holds its own devices, and a
+        # device's row is its index among every process's devices.
+        row_of = jax.devices().index
     return lambda rows: place_rows(np.asarray(rows), sharding, row_of)
 
 
@@ -91,11 +100,19 @@ def _copy(x, sharding: NamedSharding, leading: bool) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, copies)
 
 
+def data_index(mesh: Mesh, axis: str) -> Callable[[jax.Device], int]:
+    """Each device's index along ``axis`` of ``mesh``: the replica it computes."""
+    rows = np.moveaxis(mesh.devices, mesh.axis_names.index(axis), 0)
+    where = {d: i for i, row in enumerate(rows.reshape(len(rows), -1)) for d in row}
+    return where.__getitem__
+
+
 def _device_stacked(x) -> bool:
     return (
         isinstance(x, jax.Array)
         and x.ndim >= 1
         and isinstance(x.sharding, NamedSharding)
+        and len(x.sharding.mesh.axis_names) == 1  # the pmap layout's mesh is 1-D
         and len(x.sharding.spec) >= 1
         and x.sharding.spec[0] is not None
         and x.shape[0] == x.sharding.mesh.size
@@ -103,11 +120,55 @@ def _device_stacked(x) -> bool:
 
 
 def _mesh_replicated(x) -> bool:
+    # On a mesh with model axes a leaf is one global array, however the user
+    # shards it over them: each replica reads all of it (a shard is no replica).
     return (
         isinstance(x, jax.Array)
         and isinstance(x.sharding, NamedSharding)
-        and all(axis is None for axis in x.sharding.spec)
+        and (len(x.sharding.mesh.axis_names) > 1 or all(a is None for a in x.sharding.spec))
     )
+
+
+def _blocks(x: jax.Array) -> dict[tuple, list]:
+    """This process's shards of ``x`` grouped by the block they hold, copies in mesh order."""
+    position = {d: i for i, d in enumerate(x.sharding.mesh.devices.flat)}  # type: ignore[attr-defined]
+    blocks: dict[tuple, list] = {}
+    for shard in sorted(x.addressable_shards, key=lambda s: position[s.device]):
+        key = tuple((i.start, i.stop) for i in shard.index)
+        blocks.setdefault(key, []).append(shard)
+    return blocks
+
+
+def _assemble(x: jax.Array, copy: int) -> np.ndarray:
+    """Copy ``copy`` of ``x`` read from its shards on the host (no computation dispatched)."""
+    blocks = _blocks(x)
+    if sum(shards[0].data.size for shards in blocks.values()) != x.size:
+        raise ValueError(
+            f"jdp: a leaf of shape {x.shape} is split over the model axes of {x.sharding} "
+            "across processes, so this process cannot read a whole copy. Keep each model "
+            "group within one process (the data axis may span processes)."
+        )
+    value = np.empty(x.shape, x.dtype)
+    for shards in blocks.values():
+        shard = shards[copy]
+        value[shard.index] = np.asarray(shard.data)
+    return value
+
+
+def host_value(x: jax.Array) -> np.ndarray:
+    """One whole copy of a mesh-replicated leaf, read from its shards on the host."""
+    return _assemble(x, 0)
+
+
+def _mesh_replica0(x: jax.Array) -> jax.Array:
+    if x.sharding.is_fully_replicated:
+        return x.addressable_shards[0].data
+    return jax.device_put(_assemble(x, 0), x.addressable_shards[0].device)
+
+
+def _mesh_replicas(x: jax.Array) -> list[np.ndarray]:
+    copies = min(len(shards) for shards in _blocks(x).values())
+    return [_assemble(x, i) for i in range(copies)]
 
 
 def _first_row(x: jax.Array) -> jax.Array:
@@ -172,8 +233,8 @@ MESH_REPLICATED = Layout(
     "replicated across a mesh (the shard_map layout)",
     _mesh_replicated,
     lambda x, mesh: _copy(x, NamedSharding(mesh, PartitionSpec()), False),
-    lambda x: x.addressable_shards[0].data,
-    lambda x: [np.asarray(jax.device_get(s.data)) for s in x.addressable_shards],
+    _mesh_replica0,
+    _mesh_replicas,
     lambda x: x,
     PartitionSpec(),
 )

@@ -125,6 +125,7 @@ def fit(
         inside its step (compiled once more; ``docs/multi-host.md``). In
         exact mode a timed step computes the same bits; otherwise XLA may
         round a value differently in it (the last bit of the loss, in tests).
+        Not on a mesh with model axes, where JAX runs no host callback.
 
     Returns:
       ``(state, history)``.

@@ -52,6 +52,12 @@ def check_runner(step: Any, name: str) -> None:
             f"jdp.verify.replay: {name} must be a training step wrapped by a backend, e.g. "
             f"jdp.shard_map(jdp.make_train_step(loss_fn, ...)), got {step!r:.80}."
         )
+    if not step.host_callbacks:
+        raise ValueError(
+            f"jdp.verify.replay: {name} runs on a mesh with model axes, where JAX runs no host "
+            "callback, and the replay sends each phase's fingerprints to the host; replay it "
+            "on a 1-D mesh of as many replicas (a checkpoint restores there)."
+        )
 
 
 def run_observed(step: Any, state: TrainState, batch: PyTree, record: _phases.Record):

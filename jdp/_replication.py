@@ -86,7 +86,9 @@ def placement(layout: _layout.Layout, mesh: Mesh, rows: NamedSharding, row_of) -
         return _copies(from_process0(tree), layout, mesh)
 
     return _layout.Placement(
-        replicate_tree, partial(_layout.place_rows, sharding=rows, row_of=row_of), mesh.size
+        replicate_tree,
+        partial(_layout.place_rows, sharding=rows, row_of=row_of),
+        mesh.shape[rows.spec[0]],
     )
 
 

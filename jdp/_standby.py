@@ -333,8 +333,9 @@ def _read_replica(x: Any) -> np.ndarray:
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     layout = _layout.layout_of_leaf(x)
-    first = min(x.addressable_shards, key=lambda s: s.device.id).data
-    value = np.array(first)
+    if layout is _layout.MESH_REPLICATED:  # whole, also where split over model axes
+        return _layout.host_value(x)
+    value = np.array(min(x.addressable_shards, key=lambda s: s.device.id).data)
     return value[0] if layout is _layout.LEADING_AXIS else value
 
 

@@ -80,4 +80,10 @@ def timed(runner: Any, time_every: int) -> Timed | None:
             "processes; in one process jdp.pmap's layout cannot hold the device's stamps. Wrap "
             "the step with jdp.shard_map, or pass time_every=0."
         )
+    if not runner.host_callbacks:
+        raise ValueError(
+            f"jdp.fit: time_every={time_every} stamps the step with host callbacks, which JAX "
+            "runs only where the step is mapped over every mesh axis, and this step's mesh has "
+            "model axes; pass time_every=0 on it."
+        )
     return Timed(runner, time_every)

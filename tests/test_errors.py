@@ -124,7 +124,10 @@ def test_axis_name_mismatch():
 
 def test_shard_map_mesh_needs_the_data_axis():
     mesh = jax.make_mesh((8,), ("x",))
-    with pytest.raises(ValueError, match=r"1-D mesh with the axis 'batch', got axes \('x',\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^jdp.shard_map: the mesh has no data axis 'batch' \(its axes are \('x',\)\)",
+    ):
         jdp.shard_map(jdp.make_train_step(models.mlp_loss), mesh=mesh)
 
 

@@ -64,6 +64,9 @@ class Backend(abc.ABC, Generic[K]):
     layout: _layout.Layout
     _per_call_checks: bool = False  # whether _check_call checks anything on every call
     recycles: bool = False  # whether call_into writes the new state into a spare's buffers
+    # Whether the mapped step can call the host (jax.debug.callback,
+    # io_callback): JAX runs callbacks only where every mesh axis is mapped.
+    host_callbacks: bool = True
 
     def _setup(self, step: Step, axis_name: str, donate_state: bool | None, size: int) -> None:
         step = as_step(step, self.name, axis_name)

@@ -22,7 +22,7 @@ from jdp.backends._runner import NO_CALL_INTO, Backend, Compiled, K, Metrics, St
 
 
 class ShardMapStep(Backend[K]):
-    """A step run by ``jax.jit(jax.shard_map(...))`` over a 1-D device mesh.
+    """A step run by ``jax.jit(jax.shard_map(...))`` over the data axis of a device mesh.
 
     State is held once, as global arrays replicated across the mesh (no
     leading device axis); the batch is a global ``(B, ...)`` array sharded
@@ -40,19 +40,23 @@ class ShardMapStep(Backend[K]):
     # the donating step against 1.16x with new buffers, bench MLP, 8 CPU
     # devices, medians of 6 fresh processes).
     recycles = True
-    _fn_into: Callable[[PyTree, PyTree, list[jax.Array]], Any] | None = None
+    _fn_into: Compiled | None = None
 
     def __init__(self, step: Step, *, mesh: Mesh | None, axis_name: str, donate_state: bool | None):
         if mesh is None:
             mesh = Mesh(np.asarray(jax.devices()), (axis_name,))
         if not isinstance(mesh, Mesh):
             raise TypeError(f"jdp.shard_map: mesh must be a jax.sharding.Mesh, got {mesh!r}.")
-        if mesh.axis_names != (axis_name,):
+        if axis_name not in mesh.axis_names:
             raise ValueError(
-                f"jdp.shard_map needs a 1-D mesh with the axis {axis_name!r}, got "
-                f"axes {mesh.axis_names}; e.g. jax.make_mesh((n,), ({axis_name!r},))."
+                f"jdp.shard_map: the mesh has no data axis {axis_name!r} (its axes are "
+                f"{mesh.axis_names}); name it, e.g. jax.make_mesh((n,), ({axis_name!r},)) "
+                f"or jax.make_mesh((n, m), ({axis_name!r}, 'model'))."
             )
         self.mesh = mesh
+        self.host_callbacks = len(mesh.axis_names) == 1
+        self._size = mesh.shape[axis_name]
+        self._row_of = _layout.data_index(mesh, axis_name)
         self._sharded = NamedSharding(mesh, PartitionSpec(axis_name))
         self._setup(step, axis_name, donate_state, mesh.size)
         self._build()
@@ -63,14 +67,33 @@ class ShardMapStep(Backend[K]):
         )
 
     def _replica_devices(self) -> list[jax.Device]:
-        return list(self.mesh.devices.flat)
+        # With model axes a replica spans a group of devices: named by its first.
+        first: dict[int, jax.Device] = {}
+        for device in self.mesh.devices.flat:
+            first.setdefault(self._row_of(device), device)
+        return [first[i] for i in range(self._size)]
 
     def _compile(self, options: bool) -> Compiled:
-        return jax.jit(
-            self._run,
-            donate_argnums=self._donate,
-            compiler_options=self.step.compiler_options if options else None,
-        )
+        def jitted(**shardings):
+            return jax.jit(
+                self._run,
+                donate_argnums=self._donate,
+                compiler_options=self.step.compiler_options if options else None,
+                **shardings,
+            )
+
+        return self._keeping_shardings(jitted)
+
+    def _keeping_shardings(self, jitted: Callable[..., Compiled]) -> Compiled:
+        """``jitted()``, or where a model axis splits the state, one jit per state sharding.
+
+        XLA's propagation is free to return a kernel split over ``model`` whole
+        (it did for the test LM's kernels), so such a step fixes the new
+        state's shardings to the old state's.
+        """
+        if len(self.mesh.axis_names) == 1 or not self.step.returns_state:
+            return jitted()
+        return _KeepShardings(jitted)
 
     def call_into(self, state: T, batch: PyTree, spare: list[jax.Array]) -> tuple[T, Metrics]:
         """Runs a training step that keeps its state, writing the new state into ``spare``.
@@ -104,18 +127,21 @@ class ShardMapStep(Backend[K]):
         if self._fn_into is None:
             # keep_unused: an unread argument is otherwise pruned, and its buffers
             # with it, so nothing would be written into them.
-            self._fn_into = jax.jit(
-                lambda state, batch, spare: self._run(state, batch),
-                donate_argnums=(2,),
-                keep_unused=True,
-                compiler_options=self.step.compiler_options,
+            self._fn_into = self._keeping_shardings(
+                lambda **shardings: jax.jit(
+                    lambda state, batch, spare: self._run(state, batch),
+                    donate_argnums=(2,),
+                    keep_unused=True,
+                    compiler_options=self.step.compiler_options,
+                    **shardings,
+                )
             )
-        into = self._fn_into
+        into: Callable[..., Any] = self._fn_into
         return lambda state, batch: into(state, batch, spare)
 
     def _run(self, state: PyTree, batch: PyTree) -> PyTree:
         """Traced once per input structure: the checks, then the mapped step."""
-        n = self.mesh.size
+        n = self._size
         check_state(state, n, self.layout, "jdp.shard_map step")
         check_per_replica_rows(state, n, "jdp.shard_map step")
         if DEVICE_AXIS not in self.mesh.axis_names:
@@ -145,20 +171,21 @@ class ShardMapStep(Backend[K]):
             return state, jax.tree.map(lambda m: m[None], metrics)
 
         # check_vma=False keeps pmap's semantics: the step's own psum/pmean is
-        # the only gradient reduction (see docs/backends.md).
+        # the only gradient reduction (see docs/backends.md). Only the data axis
+        # is manual: XLA partitions the step over any model axes.
         per_replica_spec = PartitionSpec(axis_name)
         mapped = jax.shard_map(
             per_replica,
             mesh=self.mesh,
             in_specs=(state_spec, PartitionSpec(axis_name)),
             out_specs=(state_spec, per_replica_spec) if step.returns_state else per_replica_spec,
+            axis_names=frozenset({axis_name}),
             check_vma=False,
         )
         return mapped(state, batch)
 
     def _placement(self) -> _layout.Placement:
-        devices = list(self.mesh.devices.flat)
-        return placement(self.layout, self.mesh, self._sharded, devices.index)
+        return placement(self.layout, self.mesh, self._sharded, self._row_of)
 
     def shard(self, batch: PyTree) -> PyTree:
         """A global ``(B, ...)`` batch, sharded along its leading axis.
@@ -168,14 +195,38 @@ class ShardMapStep(Backend[K]):
         global batch.
         """
         refuse_placed(batch, "jdp.ShardMapStep.shard", allowed=self._sharded)
-        divisible_batch_size(
-            batch, len(self._sharded.addressable_devices), "jdp.ShardMapStep.shard"
-        )
+        rows = {self._row_of(d) for d in self._sharded.addressable_devices}
+        divisible_batch_size(batch, len(rows), "jdp.ShardMapStep.shard")
         if jax.process_count() == 1:  # the whole global batch is here: one device_put per leaf
             return jax.tree.map(lambda x: jax.device_put(x, self._sharded), batch)
         return jax.tree.map(
             lambda x: jax.make_array_from_process_local_data(self._sharded, np.asarray(x)), batch
         )
+
+
+class _KeepShardings:
+    """A training step's jit whose new state is placed as its old state is, per placement."""
+
+    def __init__(self, jitted: Callable[..., Compiled]):
+        self._jitted = jitted
+        self._free = jitted()  # under an outer jit, which places the outputs itself
+        self._by_placement: dict[tuple, Compiled] = {}
+
+    def _for(self, state: PyTree) -> Compiled:
+        leaves, treedef = jax.tree.flatten(state)
+        if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
+            return self._free
+        key = (treedef, *(x.sharding for x in leaves))
+        if key not in self._by_placement:
+            placed = jax.tree.unflatten(treedef, [x.sharding for x in leaves])
+            self._by_placement[key] = self._jitted(out_shardings=(placed, None))
+        return self._by_placement[key]
+
+    def __call__(self, state: PyTree, batch: PyTree, *rest: Any) -> Any:
+        return self._for(state)(state, batch, *rest)
+
+    def lower(self, state: PyTree, batch: PyTree, *rest: Any) -> jax.stages.Lowered:
+        return self._for(state).lower(state, batch, *rest)  # type: ignore[attr-defined]
 
 
 def _from_pmap_layout(batch: PyTree) -> PyTree:
@@ -224,7 +275,7 @@ def shard_map(
     donate_state: bool | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> ShardMapStep[Any]:
-    """Runs a per-replica step with ``jax.jit(jax.shard_map(...))`` on a 1-D mesh.
+    """Runs a per-replica step with ``jax.jit(jax.shard_map(...))`` over a mesh's data axis.
 
     The lead backend, in the layout JAX recommends: replicated global state,
     a globally sharded batch. :func:`jdp.pmap` runs the same step in the
@@ -233,7 +284,10 @@ def shard_map(
     Args:
       step: ``(state, batch) -> (state, metrics)``, e.g. from
         :func:`jdp.make_train_step`.
-      mesh: a 1-D mesh with the axis ``axis_name`` (default: every device).
+      mesh: a mesh with the axis ``axis_name`` (default: every device on a 1-D
+        mesh). Its other axes, if any, are left to XLA: kernels the caller
+        splits over them stay split (see docs/backends.md, "A mesh with
+        model axes").
       axis_name: the data axis; must match the step's.
       donate_state: donate the input state's buffers to the output (default:
         True for training steps, False for evaluation steps).
