@@ -95,14 +95,27 @@ def placement(layout: _layout.Layout, mesh: Mesh, rows: NamedSharding, row_of) -
 def place_like(template: PyTree, value: PyTree) -> PyTree:
     """``value`` (one logical copy) placed the way the placed tree ``template`` is.
 
-    Replicated leaves go into ``template``'s layout on its mesh; a strategy's
-    per-replica nodes place their own parts.
+    Replicated leaves go into ``template``'s layout on its mesh, split over
+    its model axes as ``template``'s are; a strategy's per-replica nodes place
+    their own parts.
     """
     layout = _layout.layout_of(template) or _layout.LEADING_AXIS
     mesh = _layout.mesh_of(template) or local_mesh()
     if layout is _layout.LEADING_AXIS:  # host-local rows, as jdp.replicate places them
         mesh = local_mesh([d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-    return _layout.place_like(template, value, lambda tree: _copies(tree, layout, mesh))
+    placed = _layout.place_like(template, value, lambda tree: _copies(tree, layout, mesh))
+    return placed if len(mesh.axis_names) == 1 else _split_as(template, placed)
+
+
+def _split_as(template: PyTree, placed: PyTree) -> PyTree:
+    """``placed``'s replicated leaves split over the model axes as ``template``'s are."""
+
+    def one(t, p):
+        if _layout.is_per_replica(t) or not isinstance(t, jax.Array) or t.sharding == p.sharding:
+            return p
+        return jax.device_put(p, t.sharding)
+
+    return jax.tree.map(one, template, placed, is_leaf=_layout.is_per_replica)
 
 
 def unreplicate(tree: PyTree) -> PyTree:

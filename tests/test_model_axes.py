@@ -152,6 +152,25 @@ def test_a_checkpoint_from_the_model_axis_mesh_restores_on_the_1d_mesh_bitwise(t
     assert back.params["head"].sharding.mesh.axis_names == ("batch", "model")
 
 
+def test_sync_and_restore_keep_the_template_s_split(tmp_path):
+    mesh = mesh_of(2, 4)
+    _, state, _ = train(jdp.strategies.exact(8), mesh, steps=2)
+    split = NamedSharding(mesh, PartitionSpec(None, "model"))
+    synced = jdp.sync_replicas(state)
+    with jdp.Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(2, state)
+        checkpoints.wait_until_finished()
+        restored, _ = checkpoints.restore(state)
+    for tree in (synced, restored):
+        assert tree.params["blocks"][1]["up"].sharding == split
+        for a, b in zip(
+            jax.tree.leaves(jdp.unreplicate(tree)),
+            jax.tree.leaves(jdp.unreplicate(state)),
+            strict=True,
+        ):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_the_audit_agrees_on_every_clean_step_of_the_model_axis_mesh():
     mesh = mesh_of(2, 4)
     step = jdp.shard_map(
