@@ -277,3 +277,14 @@ def test_exact_recomputation_pins_twenty_random_faults_on_the_replica_that_made_
         assert f"at step {fault.step}, virtual replica {expected[1]}'s" in str(caught.value)
         assert f"device {fault.replica} computed wrong" in str(caught.value), trial
         assert f"device {fault.replica} ({culprit}, process 0)" in str(caught.value), trial
+
+
+def test_two_processes_of_two_devices_give_one_process_s_bits(tmp_path):
+    results = {}
+    for processes, devices in ((2, 2), (1, 4)):
+        out = tmp_path / f"{processes}x{devices}"
+        models.launch("model_axes_processes.py", processes, devices, out)
+        results[processes] = np.load(f"{out}.npz")
+    assert set(results[1].files) == set(results[2].files)
+    for name in results[1].files:
+        assert np.array_equal(results[1][name], results[2][name]), name
