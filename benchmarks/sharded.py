@@ -96,17 +96,25 @@ def step_seconds(step, state, batch, repeats: int, calls: int = 3) -> tuple[obje
     return state, times
 
 
-def measure(n: int, name: str, strategy, repeats: int) -> dict:
+def measure(n: int, name: str, strategy, repeats: int, model: int = 1) -> dict:
+    """One row; with ``model`` > 1 on an (n, model) mesh, every matrix (and its Adam moments) split by columns over it."""
     import numpy as np
     import optax
 
     from tests import models
+    from tests.test_model_axes import mesh_of, split_state
 
     params = models.lm_params(layers=12, d=256, vocab=512, seq=32)
     batch = models.lm_batch(16, vocab=512, seq=32)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
+    mesh = (
+        mesh_of(n, model)
+        if model > 1
+        else jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
+    )
     step = jdp.shard_map(jdp.make_train_step(models.lm_loss, strategy=strategy), mesh=mesh)
     state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
+    if model > 1:
+        state = split_state(state, mesh)
     sharded = step.shard(batch)
     start = time.perf_counter()
     compiled = step.lower(state, sharded).compile()
@@ -117,6 +125,7 @@ def measure(n: int, name: str, strategy, repeats: int) -> dict:
     ring = 2 * (n - 1) / n * 4 * count
     return {
         "n": n,
+        "model": model,
         "strategy": name,
         "parameters": count,
         "state_mib": sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state)) / MiB,
@@ -160,9 +169,28 @@ def main():
             f" {r['peak_mib'] / dp['peak_mib']:>7.3f} {r['sent_over_ring']:>9.3f}"
             f" {r['compile_s']:>9.2f} {r['step_ms']:>8.1f} {r['step_ms'] / dp['step_ms']:>7.3f}"
         )
+    rows += model_axes(args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def model_axes(repeats: int) -> list[dict]:
+    """data_parallel on (2, m) meshes, matrices split over m, against the 1-D mesh of 2 replicas."""
+    rows = [measure(2, "data_parallel", jdp.strategies.data_parallel(), repeats, m) for m in (2, 4)]
+    flat = measure(2, "data_parallel", jdp.strategies.data_parallel(), repeats)
+    print("\nmodel axes: data_parallel, 2 replicas, every matrix split by columns over 'model'")
+    print(
+        f"{'mesh':>6} {'state MiB':>9} {'state/1-D':>9} {'peak MiB':>8} {'peak/1-D':>8} {'step ms':>8} {'step/1-D':>8}"
+    )
+    for r in [flat, *rows]:
+        print(
+            f"{'2' if r['model'] == 1 else '2x' + str(r['model']):>6} {r['state_mib']:>9.1f}"
+            f" {r['state_mib'] / flat['state_mib']:>9.3f} {r['peak_mib']:>8.1f}"
+            f" {r['peak_mib'] / flat['peak_mib']:>8.3f} {r['step_ms']:>8.1f}"
+            f" {r['step_ms'] / flat['step_ms']:>8.3f}"
+        )
+    return rows
 
 
 if __name__ == "__main__":

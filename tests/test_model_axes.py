@@ -45,6 +45,14 @@ def split_kernels(params, mesh):
     return jax.device_put(params, jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), params))
 
 
+def split_state(state, mesh):
+    """The parameters split by :func:`split_kernels`, and the optimizer's moments alike."""
+    opt_state = state.opt_state
+    if not isinstance(opt_state, jdp.strategies.ShardedOptState):  # zero1 splits it over data
+        opt_state = split_kernels(opt_state, mesh)
+    return state.replace(params=split_kernels(state.params, mesh), opt_state=opt_state)
+
+
 def lm_tx():
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, 3, 10)
     return optax.adamw(schedule, weight_decay=0.1)
@@ -54,7 +62,7 @@ def train(strategy, mesh, steps=6, split=True):
     step = jdp.shard_map(jdp.make_train_step(models.lm_loss, strategy=strategy), mesh=mesh)
     state = step.replicate(jdp.TrainState.create(params=models.lm_params(), tx=lm_tx()))
     if split:
-        state = state.replace(params=split_kernels(state.params, mesh))
+        state = split_state(state, mesh)
     losses = []
     for i in range(steps):
         state, metrics = step(state, step.shard(models.lm_batch(16, seed=i)))
@@ -178,7 +186,7 @@ def test_the_audit_agrees_on_every_clean_step_of_the_model_axis_mesh():
         mesh=mesh,
     )
     state = step.replicate(jdp.TrainState.create(params=models.lm_params(), tx=optax.adam(1e-3)))
-    state = state.replace(params=split_kernels(state.params, mesh))
+    state = split_state(state, mesh)
     for i in range(3):
         state, metrics = step(state, step.shard(models.lm_batch(16, seed=i)))
         assert np.asarray(metrics["audit"]).tolist() == [[i + 1, -1, -1, 2]] * 2
@@ -264,7 +272,7 @@ def test_exact_recomputation_pins_twenty_random_faults_on_the_replica_that_made_
     for trial in range(20):
         fault, expected = recompute.random_fault(rng, 4)
         state = step.replicate(start)
-        state = state.replace(params=split_kernels(state.params, mesh))
+        state = split_state(state, mesh)
         for i in range(fault.step):
             rows = fault.rows(recompute.BATCH) if i + 1 == fault.step else None
             rows = jdp.testing.no_fault(recompute.BATCH) if rows is None else rows

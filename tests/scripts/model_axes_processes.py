@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh  # noqa: E402
 
 import jdp  # noqa: E402
 from tests import models  # noqa: E402
-from tests.test_model_axes import lm_tx, split_kernels  # noqa: E402
+from tests.test_model_axes import lm_tx, split_state  # noqa: E402
 
 
 def main(out):
@@ -31,7 +31,7 @@ def main(out):
     )
     initial = jdp.TrainState.create(params=models.lm_params(), tx=lm_tx())
     state = step.replicate(initial)
-    state = state.replace(params=split_kernels(state.params, mesh))
+    state = split_state(state, mesh)
     mine = slice(16 // jax.process_count() * jax.process_index(), None)
     losses = []
     for i in range(5):
