@@ -70,6 +70,11 @@ def train(strategy, mesh, steps=6, split=True):
     return step, state, np.stack(losses)
 
 
+def assert_same_bits(actual, expected):
+    for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def one_d(n):
     return jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
 
@@ -92,8 +97,7 @@ def test_kernels_split_over_a_model_axis_train_as_on_the_1d_mesh(strategy, shape
 def test_exact_mode_is_bitwise_the_same_on_any_data_axis_at_a_fixed_model_split():
     finals = [jdp.unreplicate(train(jdp.strategies.exact(8), mesh_of(n, 2))[1]) for n in (1, 2, 4)]
     for other in finals[1:]:
-        for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(other), strict=True):
-            assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert_same_bits(finals[0], other)
 
 
 def test_fsdp_on_a_mesh_with_a_model_axis_trains_as_on_the_1d_mesh():
@@ -151,12 +155,7 @@ def test_a_checkpoint_from_the_model_axis_mesh_restores_on_the_1d_mesh_bitwise(t
         template = other.replicate(jdp.TrainState.create(params=models.lm_params(), tx=lm_tx()))
         back, _ = checkpoints.restore(template, 4)
     for restored in (flat, back):
-        for a, b in zip(
-            jax.tree.leaves(jdp.unreplicate(restored)),
-            jax.tree.leaves(jdp.unreplicate(state)),
-            strict=True,
-        ):
-            assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert_same_bits(jdp.unreplicate(restored), jdp.unreplicate(state))
     assert back.params["head"].sharding.mesh.axis_names == ("batch", "model")
 
 
@@ -171,12 +170,7 @@ def test_sync_and_restore_keep_the_template_s_split(tmp_path):
         restored, _ = checkpoints.restore(state)
     for tree in (synced, restored):
         assert tree.params["blocks"][1]["up"].sharding == split
-        for a, b in zip(
-            jax.tree.leaves(jdp.unreplicate(tree)),
-            jax.tree.leaves(jdp.unreplicate(state)),
-            strict=True,
-        ):
-            assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert_same_bits(jdp.unreplicate(tree), jdp.unreplicate(state))
 
 
 def test_the_audit_agrees_on_every_clean_step_of_the_model_axis_mesh():
@@ -242,12 +236,7 @@ def test_fit_with_evaluation_and_a_checkpoint_resumes_to_the_same_bits(tmp_path)
     with pytest.warns(RuntimeWarning, match=r"the data starts over"):  # fit() slices it itself
         resumed, _ = fit(6, tmp_path / "resumed")
     assert [row["step"] for row in history.eval] == [2, 4, 6]
-    for a, b in zip(
-        jax.tree.leaves(jdp.unreplicate(whole)),
-        jax.tree.leaves(jdp.unreplicate(resumed)),
-        strict=True,
-    ):
-        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert_same_bits(jdp.unreplicate(whole), jdp.unreplicate(resumed))
 
 
 def test_host_callbacks_are_refused_by_name_where_the_model_axes_are_automatic():
