@@ -285,3 +285,23 @@ def test_two_processes_of_two_devices_give_one_process_s_bits(tmp_path):
     assert set(results[1].files) == set(results[2].files)
     for name in results[1].files:
         assert np.array_equal(results[1][name], results[2][name]), name
+
+
+def test_per_replica_metrics_read_as_on_the_1d_mesh():
+    # Split over the data axis and copied over "model", a metric must not read as one
+    # replicated value: unreplicate gives replica 0's, and the replicas differ.
+    out = {}
+    for name, mesh in (("flat", one_d(2)), ("model", mesh_of(2, 4))):
+        step = jdp.shard_map(jdp.make_train_step(models.lm_loss), mesh=mesh)
+        state = step.replicate(jdp.TrainState.create(params=models.lm_params(), tx=lm_tx()))
+        _, metrics = step(state, step.shard(models.lm_batch(16)))
+        out[name] = metrics
+        with pytest.raises(AssertionError, match=r"leaf \['loss'\]: replica 1 differs"):
+            jdp.assert_replicas_in_sync(metrics)
+    assert np.shape(jdp.unreplicate(out["model"])["loss"]) == ()
+    np.testing.assert_array_equal(
+        jdp.gather_replicas(out["model"])["loss"], jdp.gather_replicas(out["flat"])["loss"]
+    )
+    assert float(jdp.unreplicate(out["model"])["loss"]) == float(
+        jdp.unreplicate(out["flat"])["loss"]
+    )

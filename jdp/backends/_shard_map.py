@@ -85,15 +85,12 @@ class ShardMapStep(Backend[K]):
         return self._keeping_shardings(jitted)
 
     def _keeping_shardings(self, jitted: Callable[..., Compiled]) -> Compiled:
-        """``jitted()``, or where a model axis splits the state, one jit per state sharding.
-
-        XLA's propagation is free to return a kernel split over ``model`` whole
-        (it did for the test LM's kernels), so such a step fixes the new
-        state's shardings to the old state's.
-        """
-        if len(self.mesh.axis_names) == 1 or not self.step.returns_state:
+        """``jitted()``, or on a mesh with model axes, a :class:`_ModelAxes` around it."""
+        if len(self.mesh.axis_names) == 1:
             return jitted()
-        return _KeepShardings(jitted)
+        replicas = Mesh(np.asarray(self._replica_devices()), (self.axis_name,))
+        rows = NamedSharding(replicas, PartitionSpec(self.axis_name))
+        return _ModelAxes(jitted, rows, self.step.returns_state)
 
     def call_into(self, state: T, batch: PyTree, spare: list[jax.Array]) -> tuple[T, Metrics]:
         """Runs a training step that keeps its state, writing the new state into ``spare``.
@@ -204,17 +201,26 @@ class ShardMapStep(Backend[K]):
         )
 
 
-class _KeepShardings:
-    """A training step's jit whose new state is placed as its old state is, per placement."""
+class _ModelAxes:
+    """A step's jit on a mesh with model axes: the state kept as placed, per-replica outputs apart.
 
-    def __init__(self, jitted: Callable[..., Compiled]):
-        self._jitted = jitted
+    XLA's propagation is free to return a kernel split over ``model`` whole
+    (it did for the test LM's kernels), so a training step fixes the new
+    state's shardings to the old state's, one jit per placement. Per-replica
+    outputs (metrics, evaluation sums) come out split over the data axis and
+    copied over the model axes, where they would read as one replicated
+    value: they are handed back on a 1-D mesh of each replica's first device
+    (the same buffers, no copy), in the layout of a 1-D mesh's outputs.
+    """
+
+    def __init__(self, jitted: Callable[..., Compiled], rows: NamedSharding, keeps: bool):
+        self._jitted, self._rows, self._keeps = jitted, rows, keeps
         self._free = jitted()  # under an outer jit, which places the outputs itself
         self._by_placement: dict[tuple, Compiled] = {}
 
     def _for(self, state: PyTree) -> Compiled:
         leaves, treedef = jax.tree.flatten(state)
-        if any(isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) for x in leaves):
+        if not self._keeps or _traced(state) or not all(isinstance(x, jax.Array) for x in leaves):
             return self._free
         key = (treedef, *(x.sharding for x in leaves))
         if key not in self._by_placement:
@@ -222,8 +228,23 @@ class _KeepShardings:
             self._by_placement[key] = self._jitted(out_shardings=(placed, None))
         return self._by_placement[key]
 
+    def _per_replica(self, tree: PyTree) -> PyTree:
+        devices = self._rows.device_set
+
+        def one(x):
+            if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                return x
+            parts = [s.data for s in x.addressable_shards if s.device in devices]
+            return jax.make_array_from_single_device_arrays(x.shape, self._rows, parts)
+
+        return jax.tree.map(one, tree)
+
     def __call__(self, state: PyTree, batch: PyTree, *rest: Any) -> Any:
-        return self._for(state)(state, batch, *rest)
+        out = self._for(state)(state, batch, *rest)
+        if not self._keeps:
+            return self._per_replica(out)
+        new, metrics = out
+        return new, self._per_replica(metrics)
 
     def lower(self, state: PyTree, batch: PyTree, *rest: Any) -> jax.stages.Lowered:
         return self._for(state).lower(state, batch, *rest)  # type: ignore[attr-defined]
