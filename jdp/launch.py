@@ -45,6 +45,7 @@ from jdp.distributed import (
 GRACE_SECONDS = 5.0
 PREEMPTION_GRACE = 35.0  # a little over the processes' own (jdp._watchdog): 30 s
 DEFAULT_TIMEOUT = 120
+PUMP_SECONDS = 10.0  # waiting for the last lines of processes already gone
 # Gloo prints one line per rank and connection; its writes from several
 # threads can split and interleave mid-line (seen: "[Gloo] Rank 1 is connected
 # to [Gloo] Rank 11 peer ranks. ..."), so any piece of one is noise. Shown
@@ -245,12 +246,17 @@ def _left(processes: int, running: int, lost: int) -> int:
 
 
 def _failed_step(tails: list[collections.deque]) -> int | None:
-    """The step a process reported failing at ("[jdp] process ... at step N")."""
+    """The step a process reported failing at ("[jdp] process ... at step N").
+
+    A process that reports receiving SIGTERM was stopped by the launcher
+    after the failure: where it was then is not where the job failed (a
+    peer whose loop ran a step behind said one step earlier).
+    """
     found = [
         int(m.group(1))
         for tail in tails
         for line in tail
-        if (m := _FAILED_AT.search(line)) is not None
+        if (m := _FAILED_AT.search(line)) is not None and "received SIGTERM" not in line
     ]
     return min(found) if found else None
 
@@ -298,8 +304,8 @@ def _run(script, args, processes, devices_per_process, timeout, verbose):
         code, why, grace = 0, "interrupted; stopping every process", PREEMPTION_GRACE
     finally:
         _stop(procs, grace)
-        for t in pumps:
-            t.join(timeout=2)
+        for t in pumps:  # every process is gone: the pipes end soon, but not at once on a busy machine
+            t.join(timeout=PUMP_SECONDS)
         for s, handler in previous.items():
             signal.signal(s, handler)
     if signals:

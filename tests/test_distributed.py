@@ -123,3 +123,29 @@ def test_gloo_lines_are_quiet_also_when_their_pieces_interleave():
     shown = io.StringIO()
     launcher._pump(io.StringIO(lines), "[1] ", shown, collections.deque(), verbose=True)
     assert shown.getvalue().count("[1] ") == 4
+
+
+def test_the_failed_step_is_where_a_process_failed_not_where_a_peer_was_stopped():
+    # As a busy machine printed it: process 0's loop was a step behind
+    # process 1's when the launcher stopped it.
+    tails = [
+        collections.deque(
+            [
+                "[jdp] process 0 of 2 on vm received SIGTERM in the training step at step 12: "
+                "saving a checkpoint after the step in flight (at most 30 s).\n"
+            ]
+        ),
+        collections.deque(
+            [
+                "Traceback (most recent call last):\n",
+                "RuntimeError: injected failure at step 12\n",
+                "[jdp] process 1 of 2 on vm failed in the training step at step 13: "
+                "RuntimeError: injected failure at step 12. Ending the job.\n",
+            ]
+        ),
+    ]
+    assert launcher._failed_step(tails) == 13
+    assert launcher._failed_step(tails[:1]) is None  # stopped, not failed
+    because = "[jdp] process 0 of 2 on vm: ending the job because process 1 of 2 on vm failed in "
+    tails[1] = collections.deque([because + "the training step at step 13: RuntimeError: x\n"])
+    assert launcher._failed_step(tails) == 13
