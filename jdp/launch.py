@@ -304,7 +304,8 @@ def _run(script, args, processes, devices_per_process, timeout, verbose):
         code, why, grace = 0, "interrupted; stopping every process", PREEMPTION_GRACE
     finally:
         _stop(procs, grace)
-        for t in pumps:  # every process is gone: the pipes end soon, but not at once on a busy machine
+        # Every process is gone: the pipes end soon, but not at once on a busy machine.
+        for t in pumps:
             t.join(timeout=PUMP_SECONDS)
         for s, handler in previous.items():
             signal.signal(s, handler)
