@@ -34,6 +34,7 @@ LAYERS = [
     [
         "jdp.strategies._base",
         "jdp.strategies._elementwise",
+        "jdp.strategies._slices",
         "jdp.strategies._cast",
         "jdp.strategies._data_parallel",
         "jdp.strategies._recompute",

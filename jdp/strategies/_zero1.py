@@ -25,8 +25,7 @@ The placed optimizer state is a :class:`ShardedOptState`: leaves of shape
 ``tx.init(params)`` returns.
 """
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -54,6 +53,18 @@ from jdp.strategies._base import (
 )
 from jdp.strategies._data_parallel import check_reduce, local_contribution, reduced
 from jdp.strategies._elementwise import check_elementwise
+from jdp.strategies._slices import (
+    PerLayer,
+    Record,
+    _rows,
+    is_sharded_param,
+    is_split_per_layer,
+    join_rows,
+    record_slice_shape,
+    slice_shape,
+    split_rows,
+    whole_shape,
+)
 
 
 def zero1(
@@ -113,7 +124,8 @@ class ShardedOptState:
         the state of small parameters) are replicated like the rest of the
         state.
       logical_shapes: per leaf of ``shards``, the shape in ``tx.init(params)``
-        when the leaf is sharded, else None.
+        when the leaf is sharded (a :class:`PerLayer` of it when it is cut
+        layer by layer, under ``fsdp(stacked=...)``), else None.
       num_shards: n, the devices of the data axis.
     """
 
@@ -129,8 +141,7 @@ class ShardedOptState:
             if shape is None:
                 out.append(read(x))
                 continue
-            flat = np.asarray(all_rows(x) if isinstance(x, jax.Array) else x).reshape(-1)
-            out.append(flat[: math.prod(shape)].reshape(shape))
+            out.append(join_rows(all_rows(x) if isinstance(x, jax.Array) else x, shape))
         return jax.tree.unflatten(treedef, out)
 
     def shared(self) -> PyTree:
@@ -151,23 +162,6 @@ class ShardedOptState:
         return type(self)(split.shards, split.logical_shapes, split.num_shards)
 
 
-def is_sharded_param(shape: tuple[int, ...], n: int) -> bool:
-    """Whether a parameter leaf of this shape is split (n >= 2, rank >= 1, >= n elements)."""
-    return n >= 2 and len(shape) >= 1 and math.prod(shape) >= n
-
-
-def slice_shape(shape: tuple[int, ...], n: int) -> tuple[int, ...]:
-    """One replica's slice of a split leaf: ``(1, ..., 1, ceil(size / n))``."""
-    return (1,) * (len(shape) - 1) + (-(-math.prod(shape) // n),)
-
-
-def _rows(x, n: int):
-    """``(n, c)``: the flattened leaf, zero-padded, one row per replica."""
-    flat = jnp.ravel(x)
-    chunk = -(-flat.size // n)
-    return jnp.pad(flat, (0, chunk * n - flat.size)).reshape(n, chunk)
-
-
 def param_slices(params: PyTree, index: jax.Array, n: int) -> PyTree:
     """This replica's slice of every split leaf; small leaves whole."""
 
@@ -181,25 +175,50 @@ def param_slices(params: PyTree, index: jax.Array, n: int) -> PyTree:
     return jax.tree.map(one, params)
 
 
-def slice_template(params: PyTree, n: int) -> PyTree:
-    """Shape/dtype structs of one replica's parameter slices."""
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            slice_shape(x.shape, n) if is_sharded_param(x.shape, n) else x.shape, x.dtype
-        ),
-        params,
-    )
+def param_records(params: PyTree, n: int, per_layer: Sequence[bool] | None = None) -> tuple:
+    """Each parameter leaf's record: None (whole), its shape, or a :class:`PerLayer`.
+
+    ``per_layer``: per leaf, whether it is stacked over layers (cut layer by
+    layer where each layer has at least n elements, else kept whole).
+    """
+    shapes = [tuple(x.shape) for x in jax.tree.leaves(params)]
+    stacked = per_layer if per_layer is not None else [False] * len(shapes)
+    records: list[Record | None] = []
+    for shape, layered in zip(shapes, stacked, strict=True):
+        if layered:
+            records.append(PerLayer(shape) if is_split_per_layer(shape, n) else None)
+        else:
+            records.append(shape if is_sharded_param(shape, n) else None)
+    return tuple(records)
 
 
-def layout(tx: optax.GradientTransformation, params: PyTree, n: int) -> tuple:
-    """``logical_shapes`` for ``tx`` on ``params`` split n ways.
+def slice_template(
+    params: PyTree, n: int, records: Sequence[Record | None] | None = None
+) -> PyTree:
+    """Shape/dtype structs of one replica's parameter slices (``records``: :func:`param_records`)."""
+    leaves, treedef = _tree.flatten(params)
+    records = records if records is not None else param_records(params, n)
+    structs = [
+        jax.ShapeDtypeStruct(x.shape if r is None else record_slice_shape(r, n), x.dtype)
+        for x, r in zip(leaves, records, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, structs)
+
+
+def layout(
+    tx: optax.GradientTransformation,
+    params: PyTree,
+    n: int,
+    records: Sequence[Record | None] | None = None,
+) -> tuple:
+    """``logical_shapes`` for ``tx`` on ``params`` split n ways (as ``records`` cut the params).
 
     Raises:
       ValueError: the transform keeps state whose shape is not the parameter's
         (e.g. adafactor's factored moments), which a slice cannot hold exactly.
     """
     logical = jax.eval_shape(tx.init, params)
-    sliced = jax.eval_shape(tx.init, slice_template(params, n))
+    sliced = jax.eval_shape(tx.init, slice_template(params, n, records))
     if _tree.structure(logical) != _tree.structure(sliced):
         raise ValueError(
             "jdp.strategies.zero1: the optimizer's state has another structure for parameter "
@@ -207,13 +226,15 @@ def layout(tx: optax.GradientTransformation, params: PyTree, n: int) -> tuple:
             "elementwise optimizer (sgd, momentum, adam, adamw, lion) or "
             "jdp.strategies.data_parallel()."
         )
-    shapes: list[tuple[int, ...] | None] = []
+    shapes: list[Record | None] = []
     paths = jax.tree_util.tree_flatten_with_path(logical)[0]
     for (path, whole), part in zip(paths, jax.tree.leaves(sliced), strict=True):
         if whole.shape == part.shape:
             shapes.append(None)
         elif part.shape == slice_shape(whole.shape, n):
             shapes.append(tuple(whole.shape))
+        elif part.shape == record_slice_shape(PerLayer(tuple(whole.shape)), n):
+            shapes.append(PerLayer(tuple(whole.shape)))
         else:
             raise ValueError(
                 f"jdp.strategies.zero1: optimizer state leaf {jax.tree_util.keystr(path)} has "
@@ -234,9 +255,10 @@ def _check_layout(opt_state: PyTree, shapes: tuple) -> None:
             "jdp.TrainState.create(params=..., tx=...)."
         )
     for x, shape in zip(jax.tree.leaves(opt_state), shapes, strict=True):
-        if shape is not None and tuple(np.shape(x)) != shape:
+        if shape is not None and tuple(np.shape(x)) != whole_shape(shape):
             raise ValueError(
-                f"jdp.strategies.zero1: an optimizer state leaf has shape {np.shape(x)}, expected {shape} "
+                f"jdp.strategies.zero1: an optimizer state leaf has shape {np.shape(x)}, expected "
+                f"{whole_shape(shape)} "
                 "(the logical layout of tx.init(params)). Was it placed already? Pass the "
                 "state as TrainState.create returns it."
             )
@@ -252,9 +274,7 @@ def _split(opt_state: PyTree, shapes: tuple, placement: Placement) -> ShardedOpt
         placement.replicate(jax.tree.unflatten(treedef, holes)), is_leaf=lambda x: x is None
     )
     out = [
-        placement.rows(np.asarray(_rows(jnp.asarray(x), n)).reshape((n, *slice_shape(shape, n))))
-        if shape
-        else k
+        placement.rows(np.asarray(split_rows(jnp.asarray(x), shape, n))) if shape else k
         for x, k, shape in zip(leaves, kept, shapes, strict=True)
     ]
     return ShardedOptState(jax.tree.unflatten(treedef, out), shapes, n)
