@@ -245,6 +245,26 @@ def lm_loss(params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+def stacked(params):
+    """:func:`lm_params` with its blocks stacked on a leading layer axis, as a scan keeps them."""
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *params["blocks"])}
+
+
+def lm_scan_loss(params, batch):
+    """:func:`lm_loss` over :func:`stacked` params: the blocks run in a ``jax.lax.scan``."""
+    import jdp
+
+    tokens = batch["tokens"]
+    x = params["embed"][tokens[:, :-1]] + params["pos"][: tokens.shape[1] - 1]
+
+    def body(x, block):
+        return jdp.strategies.layer(lm_block)(block, x), None
+
+    x, _ = jax.lax.scan(body, x, params["blocks"])
+    logits = x @ params["head"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
 def lm_batch(size, seed=3, vocab=32, seq=8):
     r = np.random.RandomState(seed)
     return {"tokens": r.randint(0, vocab, (size, seq + 1)).astype(np.int32)}

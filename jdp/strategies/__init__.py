@@ -9,7 +9,7 @@ from jdp.strategies._base import PSUM, Communication, Reduced, Strategy
 from jdp.strategies._cast import cast_communication
 from jdp.strategies._data_parallel import data_parallel
 from jdp.strategies._exact import exact
-from jdp.strategies._fsdp import Shard, ShardedParams, fsdp, layer
+from jdp.strategies._fsdp import Shard, ShardedParams, fsdp, gather, layer
 from jdp.strategies._zero1 import ShardedOptState, zero1
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "data_parallel",
     "exact",
     "fsdp",
+    "gather",
     "layer",
     "zero1",
 ]

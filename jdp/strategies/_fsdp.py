@@ -15,7 +15,9 @@ and kept until its gradient is reduced. Leaves that ``fsdp(layers=...)``
 selects reach the loss as :class:`Shard` nodes instead, and a layer function
 wrapped in :func:`layer` gathers its own parameters when it runs, frees them
 after, and gathers them again in the backward pass: only the layers being
-computed are ever whole on a device (``docs/memory.md``).
+computed are ever whole on a device (``docs/memory.md``). Leaves stacked over
+layers (a scanned model's blocks) that ``fsdp(stacked=...)`` selects are cut
+layer by layer, and a scan hands each layer its own Shard.
 
 The placed parameters are a :class:`ShardedParams` and the optimizer state a
 :class:`jdp.strategies.ShardedOptState`; checkpoints, ``jdp.unreplicate`` and
@@ -42,15 +44,14 @@ from jdp._weighting import safe_divide
 from jdp.distributed import from_process0
 from jdp.strategies._base import PSUM, Communication, Reduced, Strategy, check_communication
 from jdp.strategies._data_parallel import check_reduce, local_contribution, reduced
+from jdp.strategies._slices import PerLayer, Record, _rows, slice_shape, whole_shape
 from jdp.strategies._zero1 import (
     ShardedOptState,
-    _rows,
     _split,
     check_sharded,
-    is_sharded_param,
     layout,
+    param_records,
     sharded_norm,
-    slice_shape,
     update_slices,
 )
 
@@ -75,8 +76,9 @@ class Shard:
     Pass it to a function wrapped in :func:`layer`, which gathers it.
 
     Attributes:
-      data: this replica's slice, shape ``(1, ..., 1, c)``.
-      shape: the whole leaf's shape.
+      data: this replica's slice, shape ``(1, ..., 1, c)``; of a stacked
+        leaf, ``(L, 1, ..., 1, c)`` until a scan slices one layer.
+      shape: the whole leaf's shape (of a stacked leaf, one layer's).
       axis_name: the data axis.
       communication: the collectives its gradient is reduced with.
       probe: gather without collectives (for tracing shapes only).
@@ -185,8 +187,50 @@ def layer(fn: _F) -> _F:
     return wrapped  # type: ignore[return-value]
 
 
+def _check_slice(shard: Shard, where: str) -> None:
+    """A Shard holds one layer's slice: a stacked leaf not scanned over, or a leaf a scan
+    sliced that was not stacked, would gather the wrong elements."""
+    n = lax.axis_size(shard.axis_name)
+    expected = slice_shape(shard.shape, n)
+    if tuple(shard.data.shape) != expected:
+        raise ValueError(
+            f"{where}: a parameter slice has shape {tuple(shard.data.shape)}, but one layer's "
+            f"slice of a {shard.shape} leaf on {n} replicas has shape {expected}. A leaf that "
+            "fsdp(stacked=...) selects holds every layer: gather it inside the body of a scan "
+            "over its leading axis (jax.lax.scan, nn.scan); a leaf a scan slices must be "
+            "selected by fsdp(stacked=...)."
+        )
+
+
+def gather(tree: PyTree) -> PyTree:
+    """``tree`` with every :class:`Shard` gathered whole; other leaves as they are.
+
+    For a model that gathers its own layer's parameters where
+    :func:`layer` cannot wrap it, e.g. a Flax Linen block inside ``nn.scan``:
+    ``nn.map_variables(Block, "params", trans_in_fn=jdp.strategies.gather)``
+    (with ``nn.remat`` around it, the backward pass gathers again rather
+    than keep the whole layer). The gather's gradient is reduce-scattered.
+    Without Shard nodes it returns ``tree``.
+
+    Example:
+      >>> import jax.numpy as jnp, jdp
+      >>> jdp.strategies.gather({"w": jnp.ones(2)})["w"].tolist()
+      [1.0, 1.0]
+    """
+    nodes, treedef = jax.tree.flatten(tree, is_leaf=_is_shard)
+    out = []
+    for x in nodes:
+        if _is_shard(x):
+            _check_slice(x, "jdp.strategies.gather")
+            x = _gather(x.data, (x.shape, x.axis_name, x.communication, x.probe))
+        out.append(x)
+    return jax.tree.unflatten(treedef, out)
+
+
 def _gathered_call(fn: Callable[..., Any], nodes: list, treedef: Any, args: tuple) -> Any:
     shards = [x for x in nodes if _is_shard(x)]
+    for x in shards:
+        _check_slice(x, f"jdp.strategies.layer({getattr(fn, '__name__', fn)!r})")
     others = [x for x in nodes if not _is_shard(x)]
     specs = tuple((s.shape, s.axis_name, s.communication, s.probe) for s in shards)
 
@@ -239,18 +283,20 @@ def _marked(params: PyTree, layers: Callable[[str], bool] | None) -> list[bool]:
 
 def _view(
     local: PyTree,
-    shapes: Sequence[tuple[int, ...] | None],
+    shapes: Sequence[Record | None],
     marked: Sequence[bool],
     axis_name: str,
     communication: Communication,
     probe: bool,
 ) -> PyTree:
-    """What the loss sees: split leaves gathered, or as Shard nodes where marked."""
+    """What the loss sees: split leaves gathered, or as Shard nodes where marked or stacked."""
     leaves, treedef = _tree.flatten(local)
     out = []
     for x, shape, mark in zip(leaves, shapes, marked, strict=True):
         if shape is None:
             out.append(x)
+        elif isinstance(shape, PerLayer):  # a scan over it hands each layer its Shard
+            out.append(Shard(x, shape.shape[1:], axis_name, communication, probe))
         elif mark:
             out.append(Shard(x, shape, axis_name, communication, probe))
         else:
@@ -264,6 +310,7 @@ def fsdp(
     accumulate_steps: int = 1,
     communication: Communication = PSUM,
     layers: Callable[[str], bool] | None = None,
+    stacked: Callable[[str], bool] | None = None,
 ) -> Strategy:
     """Fully sharded data parallelism: 1/n of the parameters, gradients and optimizer per replica.
 
@@ -284,6 +331,13 @@ def fsdp(
         loss receives as :class:`Shard` nodes, for layer functions wrapped
         in :func:`layer` to gather one at a time. None: every split leaf is
         gathered when the loss starts.
+      stacked: ``keystr(path) -> bool`` on parameter leaves stacked over
+        layers on their leading axis (a ``jax.lax.scan`` or ``nn.scan``
+        model's blocks): each layer is split on its own, and the loss
+        receives the leaf as a :class:`Shard` whose leading axis a scan
+        slices, so that :func:`layer` or :func:`gather` in the scan's body
+        gathers one layer at a time. A leaf whose layers have fewer than n
+        elements stays whole. None: no leaf is stacked.
 
     Example:
       >>> import jax.numpy as jnp, optax, jdp
@@ -294,11 +348,12 @@ def fsdp(
       ('ShardedParams', (8, 2))
     """
     check_reduce(reduce, accumulate_steps, communication, "jdp.strategies.fsdp")
-    if layers is not None and not callable(layers):
-        raise TypeError(
-            "jdp.strategies.fsdp: layers must be a function of a parameter's key path "
-            f"(jax.tree_util.keystr), e.g. lambda path: 'blocks' in path; got {layers!r}."
-        )
+    for name, value in (("layers", layers), ("stacked", stacked)):
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"jdp.strategies.fsdp: {name} must be a function of a parameter's key path "
+                f"(jax.tree_util.keystr), e.g. lambda path: 'blocks' in path; got {value!r}."
+            )
 
     def gradients(forward: Forward, state: TrainState, batch: PyTree, axis_name: str) -> Reduced:
         check_communication(communication, state, "fsdp")
@@ -332,12 +387,13 @@ def fsdp(
             probe=False,
         )
 
-    return Strategy("fsdp", gradients, apply_fsdp, fsdp_norm, place, whole_params=whole_params)
+    placing = partial(place, stacked=stacked)
+    return Strategy("fsdp", gradients, apply_fsdp, fsdp_norm, placing, whole_params=whole_params)
 
 
 def _finish(
     grads: PyTree,
-    shapes: Sequence[tuple[int, ...] | None],
+    shapes: Sequence[Record | None],
     axis_name: str,
     reduce: str,
     weight: jax.Array | None,
@@ -370,7 +426,7 @@ def _like(params: ShardedParams) -> PyTree:
     """Shape structs of the whole parameters."""
     leaves, treedef = _tree.flatten(params.shards)
     structs = [
-        jax.ShapeDtypeStruct(shape if shape is not None else x.shape, x.dtype)
+        jax.ShapeDtypeStruct(whole_shape(shape) if shape is not None else x.shape, x.dtype)
         for x, shape in zip(leaves, params.logical_shapes, strict=True)
     ]
     return jax.tree.unflatten(treedef, structs)
@@ -396,10 +452,13 @@ def apply_fsdp(
     ), info
 
 
-def place(state: TrainState, placement: Placement) -> TrainState:
+def place(
+    state: TrainState, placement: Placement, stacked: Callable[[str], bool] | None = None
+) -> TrainState:
     """A whole TrainState placed for an fsdp step: params and optimizer state split.
 
-    With several processes, process 0's values are used everywhere, as by
+    ``stacked`` selects the leaves cut layer by layer (:func:`fsdp`). With
+    several processes, process 0's values are used everywhere, as by
     ``jdp.replicate``.
     """
     if isinstance(state.params, ShardedOptState) or isinstance(state.opt_state, ShardedOptState):
@@ -409,12 +468,9 @@ def place(state: TrainState, placement: Placement) -> TrainState:
         )
     state = from_process0(state)
     n = placement.size
-    param_shapes = tuple(
-        tuple(x.shape) if is_sharded_param(tuple(x.shape), n) else None
-        for x in jax.tree.leaves(state.params)
-    )
-    split = _split(state.params, param_shapes, placement)
+    records = param_records(state.params, n, _marked(state.params, stacked))
+    split = _split(state.params, records, placement)
     params = ShardedParams(split.shards, split.logical_shapes, n)
-    opt_state = _split(state.opt_state, layout(state.tx, state.params, n), placement)
+    opt_state = _split(state.opt_state, layout(state.tx, state.params, n, records), placement)
     rest = placement.replicate(state.replace(params=None, opt_state=None))
     return rest.replace(params=params, opt_state=opt_state)

@@ -2,7 +2,8 @@
 
 python -m jdp.launch --processes P --devices-per-process M tests/multiprocess_zero.py OUT BACKEND CKPT [STRATEGY]
 
-STRATEGY: zero1 (the default), fsdp, or exact_split (exact(8, shard_optimizer_state=True)).
+STRATEGY: zero1 (the default), fsdp, exact_split (exact(8, shard_optimizer_state=True)),
+or fsdp_stacked (fsdp(stacked=...) on the transformer LM whose blocks run in a scan).
 
 10 Adam steps with the optimizer state split over every process's devices, a
 checkpoint (the whole state, gathered from every process's slices), a restore
@@ -26,14 +27,23 @@ from tests import models, test_zero1  # noqa: E402
 
 def main(out, backend, directory, strategy="zero1"):
     wrap = jdp.pmap if backend == "pmap" else jdp.shard_map
+    loss, params, examples = (
+        models.mlp_loss,
+        test_zero1.PARAMS,
+        models.regression_batch(512, seed=7),
+    )
     if strategy == "exact_split":
         chosen = jdp.strategies.exact(8, shard_optimizer_state=True)
+    elif strategy == "fsdp_stacked":
+        chosen = jdp.strategies.fsdp(stacked=models.in_blocks)
+        loss, params = models.lm_scan_loss, models.stacked(models.lm_params(layers=3))
+        examples = models.lm_batch(512, seed=7)
     else:
         chosen = getattr(jdp.strategies, strategy)()
-    step = wrap(jdp.make_train_step(models.mlp_loss, strategy=chosen))
-    fresh = jdp.TrainState.create(params=test_zero1.PARAMS, tx=optax.adam(1e-2))
+    step = wrap(jdp.make_train_step(loss, strategy=chosen))
+    fresh = jdp.TrainState.create(params=params, tx=optax.adam(1e-2))
     state = step.replicate(fresh)
-    data = jdp.BatchIterator(models.regression_batch(512, seed=7), 64, seed=0)
+    data = jdp.BatchIterator(examples, 64, seed=0)
     for _ in range(10):
         state, _ = step(state, step.shard(next(data)))
     with jdp.Checkpointer(directory) as ckpt:
