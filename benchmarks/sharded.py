@@ -96,8 +96,9 @@ def step_seconds(step, state, batch, repeats: int, calls: int = 3) -> tuple[obje
     return state, times
 
 
-def measure(n: int, name: str, strategy, repeats: int, model: int = 1) -> dict:
-    """One row; with ``model`` > 1 on an (n, model) mesh, every matrix (and its Adam moments) split by columns over it."""
+def measure(n: int, name: str, strategy, repeats: int, model: int = 1, scan: bool = False) -> dict:
+    """One row; with ``model`` > 1 on an (n, model) mesh, every matrix (and its Adam moments) split by columns over it;
+    with ``scan``, the blocks stacked and applied in a ``jax.lax.scan``."""
     import numpy as np
     import optax
 
@@ -105,13 +106,15 @@ def measure(n: int, name: str, strategy, repeats: int, model: int = 1) -> dict:
     from tests.test_model_axes import mesh_of, split_state
 
     params = models.lm_params(layers=12, d=256, vocab=512, seq=32)
+    params = models.stacked(params) if scan else params
+    loss = models.lm_scan_loss if scan else models.lm_loss
     batch = models.lm_batch(16, vocab=512, seq=32)
     mesh = (
         mesh_of(n, model)
         if model > 1
         else jax.sharding.Mesh(np.asarray(jax.devices()[:n]), ("batch",))
     )
-    step = jdp.shard_map(jdp.make_train_step(models.lm_loss, strategy=strategy), mesh=mesh)
+    step = jdp.shard_map(jdp.make_train_step(loss, strategy=strategy), mesh=mesh)
     state = step.replicate(jdp.TrainState.create(params=params, tx=optax.adam(1e-3)))
     if model > 1:
         state = split_state(state, mesh)
@@ -169,10 +172,34 @@ def main():
             f" {r['peak_mib'] / dp['peak_mib']:>7.3f} {r['sent_over_ring']:>9.3f}"
             f" {r['compile_s']:>9.2f} {r['step_ms']:>8.1f} {r['step_ms'] / dp['step_ms']:>7.3f}"
         )
+    rows += scanned(args.repeats)
     rows += model_axes(args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
+
+
+def scanned(repeats: int) -> list[dict]:
+    """The LM with its blocks in a scan, n = 8: fsdp() gathers the stack whole, fsdp(stacked=...) a layer."""
+    from tests import models
+
+    chosen = {
+        "data_parallel": jdp.strategies.data_parallel(),
+        "fsdp": jdp.strategies.fsdp(),
+        "fsdp_stacked": jdp.strategies.fsdp(stacked=models.in_blocks),
+    }
+    rows = [measure(8, name, s, repeats, scan=True) for name, s in chosen.items()]
+    print("\nblocks in a jax.lax.scan, n = 8")
+    print(
+        f"{'strategy':>13} {'state MiB':>9} {'peak MiB':>8} {'peak/dp':>7} {'step ms':>8} {'step/dp':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['strategy']:>13} {r['state_mib']:>9.1f} {r['peak_mib']:>8.1f}"
+            f" {r['peak_mib'] / rows[0]['peak_mib']:>7.3f} {r['step_ms']:>8.1f}"
+            f" {r['step_ms'] / rows[0]['step_ms']:>7.3f}"
+        )
+    return [dict(r, scan=True) for r in rows]
 
 
 def model_axes(repeats: int) -> list[dict]:
