@@ -21,6 +21,7 @@ LONGEST_FIRST = (
     "test_zoo.py",
     "test_zoo_processes.py",
     "test_fsdp.py",
+    "test_fsdp_scan.py",
     "test_restarts.py",
     "test_examples.py",
     "test_failfast.py",
