@@ -293,3 +293,34 @@ def test_gather_is_the_tree_itself_without_shards():
     tree = {"w": jnp.arange(3.0), "n": 2}
     np.testing.assert_array_equal(jdp.strategies.gather(tree)["w"], tree["w"])
     assert jdp.strategies.gather(tree)["n"] == 2
+
+
+def test_a_failed_fit_resumes_from_the_survivors_rows_bitwise(tmp_path):
+    from tests.test_survivors import fail_at, leaves
+
+    data = models.lm_batch(256, seed=1)
+
+    def fit(directory, callbacks=()):
+        train_step = jdp.make_train_step(models.lm_scan_loss, strategy=stacked_fsdp())
+        step = models.backend("pmap", train_step, 8, donate_state=False)
+        state = step.replicate(jdp.TrainState.create(params=SCANNED, tx=optax.adam(1e-2)))
+        with jdp.Checkpointer(directory / "ckpt", local_directory=directory / "local") as ckpt:
+            return jdp.fit(
+                step,
+                state,
+                jdp.BatchIterator(data, 16, seed=2),
+                num_steps=12,
+                checkpointer=ckpt,
+                checkpoint_every=5,
+                callbacks=callbacks,
+                log_every=1,
+                progress=False,
+            )
+
+    reference, _ = fit(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="failed at step 7"):
+        fit(tmp_path / "run", callbacks=[fail_at(7)])
+    state, history = fit(tmp_path / "run")
+    assert history.resumed_at == [7]  # the survivors' copy, not checkpoint 5
+    for got, expected in zip(leaves(state), leaves(reference), strict=True):
+        np.testing.assert_array_equal(got, expected)
