@@ -57,12 +57,14 @@ def place_rows(rows: np.ndarray, sharding: NamedSharding, row_of) -> jax.Array:
     The layout of values a strategy places per replica (``sharding`` splits
     the leading axis); with several processes each places its own devices' rows.
     """
-    arrays = [
-        jax.device_put(rows[row_of(d)][None], d, may_alias=False)
-        for d in sharding.addressable_devices
-    ]
-    axis = sharding.spec[0]  # the data axis: other axes of the mesh hold copies of a row
+    axis = sharding.spec[0]  # the data axis: other axes of the mesh copy or split a row
     shape = (sharding.mesh.shape[axis],) + rows.shape[1:]
+    within = sharding.addressable_devices_indices_map(shape)  # a row split over model axes
+    arrays = []
+    for d in sharding.addressable_devices:
+        part = within[d] or ()
+        block = rows[row_of(d)][None][(slice(None), *part[1:])]
+        arrays.append(jax.device_put(block, d, may_alias=False))
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 

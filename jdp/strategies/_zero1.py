@@ -151,14 +151,18 @@ class ShardedOptState:
         return jax.tree.unflatten(treedef, kept)
 
     def place_like(self, value: PyTree, replicate: Callable[[PyTree], PyTree]) -> "ShardedOptState":
-        """A logical optimizer state split and placed as this one is."""
-        row = next(
-            x
+        """A logical optimizer state split and placed as this one is, leaf by leaf.
+
+        Each leaf's rows are placed as its own are: on a mesh with model axes
+        a row may also be split over them.
+        """
+        n = self.num_shards
+        mine = [
+            _layout.rows_like(x, n) if shape else None
             for x, shape in zip(jax.tree.leaves(self.shards), self.logical_shapes, strict=True)
-            if shape
-        )
-        placement = Placement(replicate, _layout.rows_like(row, self.num_shards), self.num_shards)
-        split = _split(value, self.logical_shapes, placement)
+        ]
+        placement = Placement(replicate, next(r for r in mine if r is not None), n)
+        split = _split(value, self.logical_shapes, placement, mine)
         return type(self)(split.shards, split.logical_shapes, split.num_shards)
 
 
@@ -264,8 +268,16 @@ def _check_layout(opt_state: PyTree, shapes: tuple) -> None:
             )
 
 
-def _split(opt_state: PyTree, shapes: tuple, placement: Placement) -> ShardedOptState:
-    """A logical optimizer state cut into n rows per split leaf, placed."""
+def _split(
+    opt_state: PyTree,
+    shapes: tuple,
+    placement: Placement,
+    rows: Sequence[Callable[[Any], jax.Array] | None] | None = None,
+) -> ShardedOptState:
+    """A logical optimizer state cut into n rows per split leaf, placed.
+
+    ``rows``: per leaf, how to place its rows (default ``placement.rows``).
+    """
     _check_layout(opt_state, shapes)
     n = placement.size
     leaves, treedef = _tree.flatten(opt_state)
@@ -273,9 +285,10 @@ def _split(opt_state: PyTree, shapes: tuple, placement: Placement) -> ShardedOpt
     kept = jax.tree.leaves(
         placement.replicate(jax.tree.unflatten(treedef, holes)), is_leaf=lambda x: x is None
     )
+    placers = rows if rows is not None else [None] * len(leaves)
     out = [
-        placement.rows(np.asarray(split_rows(jnp.asarray(x), shape, n))) if shape else k
-        for x, k, shape in zip(leaves, kept, shapes, strict=True)
+        (place or placement.rows)(np.asarray(split_rows(jnp.asarray(x), shape, n))) if shape else k
+        for x, k, shape, place in zip(leaves, kept, shapes, placers, strict=True)
     ]
     return ShardedOptState(jax.tree.unflatten(treedef, out), shapes, n)
 
