@@ -111,6 +111,51 @@ def test_fsdp_on_a_mesh_with_a_model_axis_trains_as_on_the_1d_mesh():
     )
 
 
+def rows_over_model(state, mesh):
+    """Every split row of an fsdp state (its params and Adam moments) split again over ``model``."""
+    m = mesh.shape["model"]
+
+    def one(x):
+        if x.ndim >= 2 and x.shape[0] == mesh.shape["batch"] and x.shape[-1] % m == 0:
+            spec = PartitionSpec("batch", *([None] * (x.ndim - 2)), "model")
+            return jax.device_put(x, NamedSharding(mesh, spec))
+        return x
+
+    def again(node):
+        return type(node)(jax.tree.map(one, node.shards), node.logical_shapes, node.num_shards)
+
+    return state.replace(params=again(state.params), opt_state=again(state.opt_state))
+
+
+def test_fsdp_rows_split_over_the_model_axis_train_and_restore_as_on_the_1d_mesh(tmp_path):
+    """1/(n m) of each kernel per device: fsdp's rows over the data axis, each row over model."""
+    mesh = mesh_of(2, 4)
+    strategy = jdp.strategies.fsdp(layers=models.in_blocks)
+    step = jdp.shard_map(jdp.make_train_step(models.lm_loss, strategy=strategy), mesh=mesh)
+    fresh = jdp.TrainState.create(params=models.lm_params(), tx=lm_tx())
+    state = rows_over_model(step.replicate(fresh), mesh)
+    qkv = state.params.shards["blocks"][0]["qkv"]  # (16, 48): 768 elements, 96 per device
+    assert qkv.addressable_shards[0].data.shape == (1, 1, 96)
+    losses = []
+    for i in range(6):
+        state, metrics = step(state, step.shard(models.lm_batch(16, seed=i)))
+        losses.append(np.asarray(metrics["loss"]))
+    _, reference, reference_losses = train(jdp.strategies.fsdp(), one_d(2), split=False)
+    np.testing.assert_allclose(np.stack(losses), reference_losses, rtol=1e-6)
+    models.assert_trees_close(
+        step.unreplicate(state), jdp.unreplicate(reference), rtol=1e-6, atol=1e-7
+    )
+    assert state.params.shards["blocks"][0]["qkv"].addressable_shards[0].data.shape == (1, 1, 96)
+    with jdp.Checkpointer(tmp_path) as ckpt:  # a restore keeps the template's split
+        ckpt.save(6, state)
+        ckpt.wait_until_finished()
+        restored, _ = ckpt.restore(rows_over_model(step.replicate(fresh), mesh))
+    mu = restored.opt_state.shards[0].mu["blocks"][1]["up"]
+    assert mu.sharding.spec == PartitionSpec("batch", None, "model")
+    assert mu.addressable_shards[0].data.shape == (1, 1, 16 * 64 // 8)
+    assert_same_bits(step.unreplicate(restored), step.unreplicate(state))
+
+
 def split_leaf(rows, mesh):
     """A (3, 8) leaf split by columns over ``model``; replica i (data index i) holds rows[i]."""
     sharding = NamedSharding(mesh, PartitionSpec(None, "model"))
