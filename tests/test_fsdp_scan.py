@@ -279,6 +279,21 @@ def test_misuse_gets_clear_errors():
         with pytest.raises(ValueError, match=message):
             step(step.replicate(fresh), step.shard(batch))
 
+    def ungathered(params, batch):  # a stacked leaf used as an array in the scan's body
+        def body(x, w):
+            return x @ w["up"] @ w["down"], None
+
+        y, _ = jax.lax.scan(body, jnp.ones((2, d)), params["blocks"])
+        return jnp.mean(y)
+
+    d = SCANNED["embed"].shape[1]
+    step = models.backend("shard_map", jdp.make_train_step(ungathered, strategy=stacked_fsdp()), 4)
+    used = rf"Shard: the loss used a split parameter of shape \({d}, {4 * d}\) as an array \(@\)"
+    with pytest.raises(TypeError, match=used + r".*wrap that function in jdp.strategies.layer"):
+        step(step.replicate(fresh), step.shard(batch))
+    with pytest.raises(TypeError, match=r"layer takes the layer's function.*got 3 \(int\)"):
+        jdp.strategies.layer(3)  # type: ignore[type-var]
+
     def gathered_whole(params, batch):
         return jnp.sum(jdp.strategies.gather(params["blocks"])["qkv"])
 

@@ -91,6 +91,36 @@ class Shard:
     probe: bool = _tree.static_field()
 
 
+def _not_an_array(operation: str) -> Callable[..., Any]:
+    def refuse(self: Shard, *_: object) -> Any:
+        raise TypeError(
+            f"jdp.strategies.Shard: the loss used a split parameter of shape {self.shape} as an "
+            f"array ({operation}): fsdp(layers=...) and fsdp(stacked=...) hand the leaves they "
+            "select to the loss split. Gather it where it is used: wrap that function in "
+            "jdp.strategies.layer, or call jdp.strategies.gather(params) there (for a stacked "
+            "leaf, inside the body of the scan over its layers)."
+        )
+
+    return refuse
+
+
+# A Shard reaching an operator would otherwise fail with Python's or JAX's
+# bare "unsupported operand" error, which does not say what the node is.
+_BINARY = {"add": "+", "sub": "-", "mul": "*", "matmul": "@", "truediv": "/", "pow": "**"}
+_BINARY |= {"floordiv": "//", "mod": "%"}
+for _name, _operation in {
+    **{f"__{op}__": symbol for op, symbol in _BINARY.items()},
+    **{f"__r{op}__": symbol for op, symbol in _BINARY.items()},
+    "__neg__": "-",
+    "__pos__": "+",
+    "__abs__": "abs",
+    "__getitem__": "indexing",
+    "__array__": "numpy.asarray",
+    **{f"__{op}__": op for op in ("lt", "le", "gt", "ge")},
+}.items():
+    setattr(Shard, _name, _not_an_array(_operation))
+
+
 def _is_shard(x: object) -> bool:
     return isinstance(x, Shard)
 
@@ -176,6 +206,12 @@ def layer(fn: _F) -> _F:
       >>> [round(float(v), 4) for v in block({"w": jnp.eye(2)}, jnp.ones((1, 2)))[0]]
       [0.7616, 0.7616]
     """
+
+    if not callable(fn):
+        raise TypeError(
+            "jdp.strategies.layer takes the layer's function, (params, *args) -> outputs, e.g. "
+            f"jdp.strategies.layer(block_fn); got {fn!r} ({type(fn).__name__})."
+        )
 
     @functools.wraps(fn)
     def wrapped(params: PyTree, *args: Any) -> Any:
