@@ -15,12 +15,14 @@ import numpy as np
 from jax import lax
 
 from jdp import metrics as _metrics
+from jdp._args import check_int
 from jdp._bitflip import FIELDS, FaultedBatch, flipped
 from jdp._steps import TrainStep
 from jdp._tree import PyTree, is_prng_key
 from jdp.metrics import StepView
 
 _NONE = -1  # a fault row's step for "no fault"
+_INT32_END = 2**31
 _STATE_METRICS = {
     "fingerprint": _metrics.fingerprint,
     "leaf_fingerprints": _metrics.leaf_fingerprints,
@@ -43,6 +45,9 @@ class Fault:
       virtual_replica: with ``target="gradients"``, the virtual replica whose
         gradients the device computes wrong: one of its own, or one it
         recomputes for exact mode's ``recompute_every`` check.
+
+    Every field is an int >= 0 (an int32 in the rows). The fault is data, read
+    inside the step: a replica or leaf past the step's last injects nothing.
     """
 
     step: int
@@ -52,15 +57,30 @@ class Fault:
     bit: int = 0
     virtual_replica: int = 0
 
+    def __post_init__(self) -> None:
+        # The fields ride with the batch as int32; a value that does not fit
+        # would wrap, and a negative one names no step, replica or leaf.
+        for name in FIELDS:
+            value = check_int(getattr(self, name), name, minimum=0, where="jdp.testing.Fault")
+            if value >= _INT32_END:
+                raise ValueError(
+                    f"jdp.testing.Fault: {name}={value} does not fit the int32 rows the fault "
+                    f"rides in the batch with; use a value below {_INT32_END}."
+                )
+
     def rows(self, batch_size: int) -> np.ndarray:
         """The fault as ``(batch_size, 6)`` int32 rows, one per example, for the batch."""
-        spec = [getattr(self, name) for name in FIELDS]
-        return np.tile(np.asarray(spec, np.int32), (batch_size, 1))
+        return _rows([getattr(self, name) for name in FIELDS], batch_size)
 
 
 def no_fault(batch_size: int) -> np.ndarray:
     """Rows that inject nothing, for the steps between faults."""
-    return Fault(_NONE, 0, 0).rows(batch_size)
+    return _rows([_NONE] + [0] * (len(FIELDS) - 1), batch_size)
+
+
+def _rows(spec: list[int], batch_size: int) -> np.ndarray:
+    check_int(batch_size, "batch_size", minimum=1, where="jdp.testing.Fault.rows")
+    return np.tile(np.asarray(spec, np.int32), (batch_size, 1))
 
 
 def with_faults(step: TrainStep, target: str = "state") -> TrainStep:
@@ -112,13 +132,13 @@ def with_faults(step: TrainStep, target: str = "state") -> TrainStep:
             )
 
         def faulty_gradients(state: PyTree, batch: tuple[PyTree, jax.Array]):
-            data, rows = batch
+            data, rows = _fault_batch(batch)
             return inner(state, FaultedBatch(data, rows.reshape(-1, len(FIELDS))[0]))
 
         return dataclasses.replace(step, fn=faulty_gradients)
 
     def faulty(state: PyTree, batch: tuple[PyTree, jax.Array]) -> tuple[PyTree, dict]:
-        data, rows = batch
+        data, rows = _fault_batch(batch)
         new, metrics = inner(state, data)
         new = flip(new, rows.reshape(-1, len(FIELDS))[0], axis_name)
         view = StepView(state, new, None, _no_norm, axis_name)  # the state metrics read `after`
@@ -127,6 +147,37 @@ def with_faults(step: TrainStep, target: str = "state") -> TrainStep:
         return new, {**metrics, **redone}
 
     return dataclasses.replace(step, fn=faulty)
+
+
+def _fault_batch(batch: object) -> tuple[PyTree, jax.Array]:
+    """``(data, fault rows)`` of a faulty step's batch, refused by name in any other form."""
+    usage = (
+        "pass step.shard((batch, fault.rows(B))), or jdp.testing.no_fault(B) as the rows "
+        "on a step without a fault (B: the global batch size)"
+    )
+    if not isinstance(batch, tuple | list) or len(batch) != 2:
+        raise TypeError(
+            "jdp.testing.with_faults: a faulty step's batch is a pair (batch, fault rows); "
+            f"{usage}. Got {_kind(batch)}."
+        )
+    data, rows = batch
+    shape, dtype = getattr(rows, "shape", None), getattr(rows, "dtype", None)
+    if shape is None or len(shape) != 2 or shape[1] != len(FIELDS) or dtype != jnp.int32:
+        raise TypeError(
+            "jdp.testing.with_faults: the second item of a faulty step's batch must be the "
+            f"fault's int32 rows of {len(FIELDS)} (B, {len(FIELDS)}); {usage}. "
+            f"Got shape {shape} and dtype {dtype} on one replica."
+        )
+    return data, rows
+
+
+def _kind(x: object) -> str:
+    shape = getattr(x, "shape", None)
+    return (
+        f"an array of shape {tuple(shape)} on one replica"
+        if shape is not None
+        else f"a {type(x).__name__}"
+    )
 
 
 def _no_norm(grads: PyTree) -> jax.Array:

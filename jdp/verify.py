@@ -74,6 +74,7 @@ def compare_histories(
         paths in tree order); default ``"leaf i"``.
 
     Raises:
+      TypeError: ``a`` or ``b`` is not a :class:`jdp.History`, or ``leaf_names`` is a string.
       ValueError: the histories share no step with a logged fingerprint.
 
     Example:
@@ -85,6 +86,17 @@ def compare_histories(
       >>> jdp.verify.compare_histories(a, b)
       Difference(step=2, leaves=(), agreed=1, source='history')
     """
+    for name, history in (("a", a), ("b", b)):
+        if not isinstance(history, History):
+            raise TypeError(
+                f"jdp.verify.compare_histories: {name} must be a jdp.History (what jdp.fit "
+                f"returns, or jdp.History.from_dict of a saved one), got {type(history).__name__}."
+            )
+    if isinstance(leaf_names, str):
+        raise TypeError(
+            "jdp.verify.compare_histories: leaf_names must be a sequence of names, one per "
+            f"leaf (e.g. a list of key paths), or None; got the string {leaf_names!r}."
+        )
     logged_a, logged_b = _logged(a, leaf_names), _logged(b, leaf_names)
     if not set(logged_a) & set(logged_b):
         raise ValueError(

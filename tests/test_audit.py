@@ -239,6 +239,30 @@ def test_audit_arguments_are_checked():
         jdp.make_train_step(models.mlp_loss, audit=10)  # type: ignore[arg-type]
 
 
+def test_fault_injector_arguments_are_checked(backend):
+    with pytest.raises(ValueError, match=r"jdp.testing.Fault: replica must be an int >= 0, got -1"):
+        jdp.testing.Fault(step=1, replica=-1, leaf=0)
+    with pytest.raises(TypeError, match=r"jdp.testing.Fault: step must be an int >= 0, got '3'"):
+        jdp.testing.Fault(step="3", replica=0, leaf=0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"index=2147483648 does not fit the int32 rows"):
+        jdp.testing.Fault(step=1, replica=0, leaf=0, index=2**31)
+    with pytest.raises(ValueError, match=r"Fault.rows: batch_size must be an int >= 1, got 0"):
+        jdp.testing.Fault(step=1, replica=0, leaf=0).rows(0)
+    step = audited(backend, faults=True)
+    state = step.replicate(initial_state())
+    pair = r"a faulty step's batch is a pair \(batch, fault rows\); pass step.shard"
+    with pytest.raises(TypeError, match=pair + r".*Got a dict\."):
+        step(state, step.shard(DATA[0]))
+    with pytest.raises(TypeError, match=pair + r".*Got an array of shape \(4, 6\) on one replica"):
+        step(state, step.shard(DATA[0]["x"]))
+    wrong_rows = np.zeros((BATCH, 5), np.int32)
+    with pytest.raises(TypeError, match=r"must be the fault's int32 rows of 6 \(B, 6\).*\(4, 5\)"):
+        step(state, step.shard((DATA[0], wrong_rows)))
+    # The refused calls consumed nothing: the state still trains.
+    state, _ = step(state, step.shard((DATA[0], jdp.testing.no_fault(BATCH))))
+    step.check_audit()
+
+
 def test_a_wrapper_that_drops_the_audit_is_named(backend):
     base = jdp.make_train_step(models.mlp_loss, audit=jdp.Audit())
 

@@ -105,6 +105,10 @@ def test_verify_refuses_what_it_cannot_compare(tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().err
     with pytest.raises(ValueError, match="share no step with a logged fingerprint"):
         jdp.verify.compare_histories(jdp.History(), jdp.History())
+    with pytest.raises(TypeError, match=r"compare_histories: b must be a jdp.History .*got list"):
+        jdp.verify.compare_histories(jdp.History(), [])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"leaf_names must be a sequence of names.*'params'"):
+        jdp.verify.compare_histories(jdp.History(), jdp.History(), leaf_names="params")
     state = jdp.TrainState.create(params=np.ones(3, np.float32), tx=optax.sgd(0.1))
     for run in ("a", "b"):
         with jdp.Checkpointer(tmp_path / run) as ckpt:
