@@ -19,12 +19,39 @@ DEVICE_AXIS = "devices"
 
 def local_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh of the pmap layout over ``devices`` (default: the local devices)."""
-    devices = jax.local_devices() if devices is None else list(devices)
+    devices = (
+        jax.local_devices()
+        if devices is None
+        else device_list(devices, "jdp.replicate or jdp.shard")
+    )
+    return Mesh(np.asarray(devices), (DEVICE_AXIS,))
+
+
+def device_list(devices: Sequence[jax.Device], where: str) -> list[jax.Device]:
+    """``devices`` as a list, refused when empty or when it names a device twice.
+
+    Example:
+      >>> import jax
+      >>> len(device_list(jax.devices()[:2], "jdp.pmap"))
+      2
+    """
+    devices = list(devices)  # once: an iterator would be empty the second time
     if not devices:
         raise ValueError(
-            "jdp.replicate or jdp.shard: devices is empty: pass at least one device (default: every local device)."
+            f"{where}: devices is empty: pass at least one device (default: every local device)."
         )
-    return Mesh(np.asarray(devices), (DEVICE_AXIS,))
+    for i, device in enumerate(devices):
+        if not isinstance(device, jax.Device):
+            raise TypeError(
+                f"{where}: devices[{i}] is a {type(device).__name__}, not a jax.Device; pass "
+                "devices from jax.devices() or jax.local_devices()."
+            )
+        if device in devices[:i]:
+            raise ValueError(
+                f"{where}: devices holds {device} twice (at {devices.index(device)} and {i}); "
+                "each replica needs a device of its own: pass distinct devices."
+            )
+    return devices
 
 
 def device_axis_sharding(devices: Sequence[jax.Device] | None = None) -> NamedSharding:

@@ -87,7 +87,7 @@ class BatchIterator:
         self.data = jax.tree.map(np.asarray, data)
         self.batch_size = batch_size
         self.shuffle = shuffle
-        self.seed = seed
+        self.seed = check_int(seed, "seed", minimum=0, where="jdp.BatchIterator")
         self.remainder = remainder
         self.repeat = repeat
         self.mask_key = mask_key
@@ -252,6 +252,11 @@ def prefetch_to_device(
       [0.0, 1.0, 2.0]
     """
     check_int(size, "size", minimum=1, where="jdp.prefetch_to_device")
+    if not isinstance(iterator, Iterable):
+        raise TypeError(
+            "jdp.prefetch_to_device takes an iterable of host batches (a jdp.BatchIterator, a "
+            f"generator, a data loader), got {type(iterator).__name__}."
+        )
     iterator = iter(iterator)
     queue: collections.deque = collections.deque()
 

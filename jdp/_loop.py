@@ -21,7 +21,7 @@ from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
 from jdp._ledger import Ledger, Record, summary
-from jdp._replication import check_replicas_agree, gather_replicas, unreplicate
+from jdp._replication import check_replicas_agree, gather_replicas, refuse_consumed, unreplicate
 from jdp._steps import EvalStep
 from jdp._tree import PyTree
 from jdp.backends import Runner
@@ -134,6 +134,7 @@ def fit(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
+    refuse_consumed(state, "jdp.fit: the state")
     standby = _standby_for(train_step, state, checkpointer)
     train_step, run = _runs(train_step, state, standby)
     timed = _timed.timed(train_step, time_every)

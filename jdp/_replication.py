@@ -1,5 +1,7 @@
 """One copy of a pytree per device: replicate, read back, broadcast, check."""
 
+import math
+import numbers
 from collections.abc import Sequence
 from functools import partial
 
@@ -11,7 +13,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _layout
-from jdp._args import check_int
+from jdp._args import bound_axis_size, check_int
 from jdp._batching import AXIS_NAME, leaves_with_paths, local_mesh
 from jdp._tree import PyTree, is_prng_key
 from jdp.distributed import from_process0
@@ -70,6 +72,11 @@ def replicate_across(tree: PyTree, mesh: Mesh) -> PyTree:
       >>> w.shape, w.sharding.is_fully_replicated
       ((3,), True)
     """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            "jdp.replicate_across: mesh must be a jax.sharding.Mesh, e.g. "
+            f"jax.make_mesh((8,), ('batch',)), got {type(mesh).__name__}."
+        )
     _check_single_copy(tree, "jdp.replicate_across")
     return _copies(from_process0(tree), _layout.MESH_REPLICATED, mesh)
 
@@ -194,6 +201,7 @@ def gather_replicas(tree: PyTree) -> PyTree:
       >>> jdp.gather_replicas({"y": out})["y"].tolist()
       [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
     """
+    refuse_consumed(tree, "jdp.gather_replicas")
     if jax.process_count() == 1:
         return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
@@ -234,7 +242,7 @@ def broadcast(tree: PyTree, axis_name: str = AXIS_NAME, source: int = 0) -> PyTr
       [3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0]
     """
     check_int(source, "source (a replica index)", minimum=0, where="jdp.broadcast")
-    n = lax.axis_size(axis_name)
+    n = bound_axis_size(axis_name, "jdp.broadcast")
     if source >= n:
         raise ValueError(
             f"jdp.broadcast: source={source} but axis {axis_name!r} has {n} replicas "
@@ -271,6 +279,7 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
       >>> import jax.numpy as jnp, jdp
       >>> jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}))
     """
+    _check_tolerance(atol)
     several = jax.process_count() > 1
     tree = _layout.shared(tree)
     _check_replicated(tree, "jdp.assert_replicas_in_sync")
@@ -280,6 +289,19 @@ def assert_replicas_in_sync(tree: PyTree, atol: float = 0.0) -> None:
         if several:
             rows = list(np.asarray(multihost_utils.process_allgather(replicas[0])))
             _assert_rows_close(name, rows, atol, "process", "Processes", "process 0's replica 0")
+
+
+def _check_tolerance(atol: object) -> None:
+    if isinstance(atol, bool) or not isinstance(atol, numbers.Real):
+        raise TypeError(
+            "jdp.assert_replicas_in_sync: atol must be a number >= 0 (the largest absolute "
+            f"difference allowed; 0.0: bitwise), got {atol!r} ({type(atol).__name__})."
+        )
+    if not float(atol) >= 0 or not math.isfinite(atol):
+        raise ValueError(
+            "jdp.assert_replicas_in_sync: atol must be a finite number >= 0 (the largest "
+            f"absolute difference allowed; 0.0: bitwise), got {atol!r}."
+        )
 
 
 def _assert_rows_close(

@@ -184,6 +184,21 @@ def make_train_step(
     return TrainStep(fn, axis_name, strategy, tuple(rules.items()), audit)
 
 
+def _check_metric(m: Metric) -> None:
+    if not isinstance(m.name, str) or not m.name:
+        raise TypeError(f"jdp.metrics.Metric: name must be a non-empty string, got {m.name!r}.")
+    kinds = {
+        "compute": "(view: jdp.metrics.StepView) -> array, run inside the step",
+        "rule": "(values, weights) -> value, how replicas' values combine (e.g. jdp.metrics.mean)",
+    }
+    for field, what in kinds.items():
+        if not callable(getattr(m, field)):
+            raise TypeError(
+                f"jdp.metrics.Metric {m.name!r}: {field} must be a function {what}, got "
+                f"{getattr(m, field)!r:.60}."
+            )
+
+
 def _requested_metrics(
     metrics: Sequence[Metric],
     log_grad_norm: bool,
@@ -203,6 +218,7 @@ def _requested_metrics(
                 f"jdp.make_train_step: metrics holds {m!r:.60}, not a jdp.metrics.Metric; build one "
                 "with jdp.metrics.Metric(name, compute, rule)."
             )
+        _check_metric(m)
     if not isinstance(log_grad_norm, bool):
         raise TypeError(
             f"jdp.make_train_step: log_grad_norm must be a bool, got {log_grad_norm!r}."

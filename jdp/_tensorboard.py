@@ -1,6 +1,7 @@
 """A TensorBoard writer for :func:`jdp.fit`, on tensorboardX (``pip install jdp[tensorboard]``)."""
 
 import numbers
+import os
 import pathlib
 from typing import Any
 
@@ -35,10 +36,20 @@ class TensorBoardLogger:
             raise ImportError(
                 "jdp.TensorBoardLogger needs tensorboardX: pip install 'jdp[tensorboard]'."
             ) from e
+        if not isinstance(logdir, str | os.PathLike):
+            raise TypeError(
+                "jdp.TensorBoardLogger: logdir must be a path (str or pathlib.Path), the folder "
+                f"tensorboard --logdir reads, got {type(logdir).__name__}."
+            )
         self.logdir = pathlib.Path(logdir)
         self._writer = SummaryWriter(str(self.logdir)) if jax.process_index() == 0 else None
 
     def __call__(self, row: dict[str, Any]) -> None:
+        if not isinstance(row, dict) or "step" not in row:
+            raise TypeError(
+                "jdp.TensorBoardLogger: a row is a dict with a 'step' entry, as jdp.fit passes "
+                f"to its callbacks (callbacks=[logger]), got {_describe(row)}."
+            )
         if self._writer is None:
             return
         split = row.get("split", "train")
@@ -58,6 +69,14 @@ class TensorBoardLogger:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def _describe(row: object) -> str:
+    return (
+        f"a dict with keys {sorted(map(str, row))}"
+        if isinstance(row, dict)
+        else f"a {type(row).__name__}"
+    )
 
 
 def _integers(value: Any) -> bool:

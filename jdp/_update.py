@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jdp import _tree
 from jdp._loss_scale import NoOpLossScale, all_finite
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -55,6 +56,7 @@ def apply_gradients(
       >>> new.params.tolist(), bool(m["grads_finite"]), int(new.skipped_steps)
       ([1.0, 1.0], False, 1)
     """
+    _check_like_params(grads, state.params)
     if model_state is None:
         model_state = state.model_state
     if global_norm is None:
@@ -93,3 +95,14 @@ def apply_gradients(
         "skipped_steps": skipped_steps,
     }
     return new, metrics
+
+
+def _check_like_params(grads: PyTree, params: PyTree) -> None:
+    # optax would fail on the first mismatched node with a bare pytree error.
+    got, expected = _tree.structure(grads), _tree.structure(params)
+    if got != expected:
+        raise ValueError(
+            "jdp.apply_gradients: grads must have the structure of state.params (one gradient "
+            f"per parameter leaf, e.g. jax.grad(loss_fn)(state.params, ...)); got {got!s:.200}, "
+            f"expected {expected!s:.200}."
+        )

@@ -378,6 +378,9 @@ def main(argv=None) -> None:
         parser.error(str(e))
     if ns.max_restarts < 0:
         parser.error("--max-restarts must be >= 0")
+    if not os.path.isfile(ns.script):
+        # Every process would fail alone with Python's message, and a restart would repeat it.
+        parser.error(f"script {ns.script!r} is not a file: pass the path of the script to run")
     code = launch(
         ns.script,
         ns.args,

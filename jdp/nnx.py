@@ -79,6 +79,16 @@ def merge(
       The module, its variables copied so that nothing aliases the arrays the
       step traces. Call ``model.train()`` or ``model.eval()`` as usual.
     """
+    if not isinstance(graphdef, nnx.GraphDef):
+        raise TypeError(
+            "jdp.nnx.merge: graphdef must be the nnx.GraphDef jdp.nnx.split returned, got "
+            f"{type(graphdef).__name__}."
+        )
+    if not isinstance(model_state, tuple) or len(model_state) != 2:
+        raise TypeError(
+            "jdp.nnx.merge: model_state must be the pair (other variables, RNG state) "
+            f"jdp.nnx.split returned (as the step passes it to the loss), got {type(model_state).__name__}."
+        )
     rest, rngs = model_state
     model = nnx.merge(graphdef, params, rngs, rest, copy=True)
     if rng is not None:
@@ -95,6 +105,11 @@ def state(model: nnx.Module, model_state: ModelState) -> ModelState:
     """The new model state to return from the loss: the module's non-parameter
     variables (e.g. updated batch statistics), with the RNG state as it came in,
     so replicas stay identical."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            "jdp.nnx.state expects the nnx.Module the loss merged (jdp.nnx.merge), got "
+            f"{type(model).__name__}."
+        )
     _, _, rngs, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)  # type: ignore[misc]
     _check_reseeded(rngs, model_state[1])
     return rest, model_state[1]

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import jdp
+import jdp.nnx
 from jdp.testing import check_exact
 from tests import models
 
@@ -326,6 +327,103 @@ def _loss(params, batch):
             ValueError,
             "process_id must be an int >= 0",
         ),
+        (
+            lambda: jdp.pmap(jdp.make_train_step(_loss), devices=[jax.devices()[0]] * 2),
+            ValueError,
+            r"^jdp.pmap: devices holds cpu:0 twice \(at 0 and 1\); each replica needs a device",
+        ),
+        (
+            lambda: jdp.shard_map(jdp.make_train_step(_loss), devices=[jax.devices()[1]] * 2),
+            ValueError,
+            r"^jdp.shard_map: devices holds cpu:1 twice",
+        ),
+        (
+            lambda: jdp.shard({"w": np.ones((8, 3))}, devices=["cpu:0"]),
+            TypeError,
+            r"^jdp.replicate or jdp.shard: devices\[0\] is a str, not a jax.Device",
+        ),
+        (
+            lambda: jdp.BatchIterator({"x": np.ones((16, 2))}, batch_size=8, seed="a"),
+            TypeError,
+            r"^jdp.BatchIterator: seed must be an int >= 0, got 'a'",
+        ),
+        (
+            lambda: next(jdp.prefetch_to_device(3, 2)),
+            TypeError,
+            r"^jdp.prefetch_to_device takes an iterable of host batches .* got int",
+        ),
+        (
+            lambda: jdp.replicate_across({"w": jnp.ones(3)}, "batch"),
+            TypeError,
+            r"^jdp.replicate_across: mesh must be a jax.sharding.Mesh",
+        ),
+        (
+            lambda: jdp.broadcast({"w": jnp.ones(3)}),
+            NameError,
+            r"^jdp.broadcast runs inside a step, over the data axis its backend binds \('batch'",
+        ),
+        (
+            lambda: jdp.reduce_gradients({"w": jnp.ones(3)}, "batch"),
+            NameError,
+            r"^jdp.reduce_gradients runs inside a step",
+        ),
+        (
+            lambda: jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}), atol=-1.0),
+            ValueError,
+            r"^jdp.assert_replicas_in_sync: atol must be a finite number >= 0",
+        ),
+        (
+            lambda: jdp.assert_replicas_in_sync(jdp.replicate({"w": jnp.ones(3)}), atol="0"),
+            TypeError,
+            r"^jdp.assert_replicas_in_sync: atol must be a number >= 0 .* got '0' \(str\)",
+        ),
+        (
+            lambda: jdp.TensorBoardLogger(3),
+            TypeError,
+            r"^jdp.TensorBoardLogger: logdir must be a path",
+        ),
+        (
+            lambda: jdp.TensorBoardLogger("/tmp/jdp-unused-tb")([0.5]),
+            TypeError,
+            r"^jdp.TensorBoardLogger: a row is a dict with a 'step' entry.*got a list",
+        ),
+        (
+            lambda: jdp.strategies.cast_communication("fp16"),
+            TypeError,
+            r"^jdp.strategies.cast_communication: dtype must be floating .* got 'fp16'",
+        ),
+        (
+            lambda: jdp.apply_gradients(
+                jdp.TrainState.create(params={"w": jnp.ones(3)}, tx=optax.sgd(0.1)),
+                {"v": jnp.ones(3)},
+            ),
+            ValueError,
+            r"^jdp.apply_gradients: grads must have the structure of state.params .* got "
+            r"PyTreeDef\(\{'v': \*\}\), expected PyTreeDef\(\{'w': \*\}\)",
+        ),
+        (
+            lambda: jdp.make_train_step(_loss, metrics=[jdp.metrics.Metric("x", 3)]),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.metrics.Metric 'x': compute must be a function \(view: jdp.metrics.StepView\)",
+        ),
+        (
+            lambda: jdp.make_train_step(
+                _loss,
+                metrics=[jdp.metrics.Metric("x", lambda view: 0.0, "mean")],  # type: ignore[arg-type]
+            ),
+            TypeError,
+            r"^jdp.metrics.Metric 'x': rule must be a function \(values, weights\) -> value",
+        ),
+        (
+            lambda: jdp.nnx.merge(None, {}, ({}, {})),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.nnx.merge: graphdef must be the nnx.GraphDef jdp.nnx.split returned, got NoneType",
+        ),
+        (
+            lambda: jdp.nnx.state({"w": 1}, ({}, {})),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.nnx.state expects the nnx.Module the loss merged \(jdp.nnx.merge\), got dict",
+        ),
     ],
 )
 def test_arguments_of_the_wrong_kind_or_value_are_refused_by_name(build, error, match):
@@ -336,3 +434,21 @@ def test_arguments_of_the_wrong_kind_or_value_are_refused_by_name(build, error, 
 def test_shard_map_takes_its_devices_as_any_iterable():
     step = jdp.shard_map(jdp.make_train_step(_loss), devices=iter(jax.devices()[:2]))
     assert step.mesh.devices.tolist() == jax.devices()[:2]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--processes", "0", "train.py"], "--processes and --devices-per-process must be >= 1"),
+        (["--processes", "2", "--max-restarts", "-1", "train.py"], "--max-restarts must be >= 0"),
+        (["--processes", "2", "--timeout", "0", "train.py"], "--timeout must be a positive number"),
+        (["--processes", "2", "missing.py"], "script 'missing.py' is not a file: pass the path"),
+    ],
+)
+def test_the_launcher_refuses_bad_arguments_before_starting_anything(argv, message, capsys):
+    from jdp import launch
+
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

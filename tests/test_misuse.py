@@ -90,7 +90,8 @@ def test_re_placing_a_consumed_state_names_it(backend):
         step = jdp.{backend}(jdp.make_train_step(lambda p, b: jnp.mean((b * p) ** 2)))
         state = step.replicate(jdp.TrainState.create(params=jnp.ones(()), tx=optax.sgd(0.1)))
         new, _ = step(state, step.shard(np.ones(16, np.float32)))
-        for place in (step.replicate, jdp.replicate):
+        fit = lambda s: jdp.fit(step, s, [np.ones(16, np.float32)] * 2, num_steps=2)
+        for place in (step.replicate, jdp.replicate, jdp.gather_replicas, fit):
             try:
                 place(state)
             except RuntimeError as e:
@@ -99,7 +100,12 @@ def test_re_placing_a_consumed_state_names_it(backend):
     """)
     assert run.returncode == 0, run.stderr[-2000:]
     name = {"pmap": "PmapStep", "shard_map": "ShardMapStep"}[backend]
-    for what in (f"jdp.{name}.replicate", "jdp.replicate"):
+    for what in (
+        f"jdp.{name}.replicate",
+        "jdp.replicate",
+        "jdp.gather_replicas",
+        "jdp.fit: the state",
+    ):
         assert f"ERROR: {what}: leaf .step was consumed by an earlier step call" in run.stdout, (
             run.stdout
         )

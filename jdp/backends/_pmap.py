@@ -13,6 +13,7 @@ from jdp._batching import (
     AXIS_NAME,
     DEVICE_AXIS,
     device_axis_sharding,
+    device_list,
     local_mesh,
     shard_blocks,
 )
@@ -51,7 +52,7 @@ class PmapStep(Backend[K]):
     ):
         # devices=None maps over every process's devices; each process feeds
         # and receives arrays over its local ones.
-        self.devices = list(devices) if devices is not None else jax.local_devices()
+        self.devices = jax.local_devices() if devices is None else device_list(devices, "jdp.pmap")
         self._all_devices = devices is None
         self._setup(step, axis_name, donate_state, len(self.devices))
         self._batch_sharding = device_axis_sharding(self.devices)

@@ -8,7 +8,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jdp import _layout, _tree
-from jdp._batching import AXIS_NAME, DEVICE_AXIS, divisible_batch_size, refuse_placed
+from jdp._batching import (
+    AXIS_NAME,
+    DEVICE_AXIS,
+    device_list,
+    divisible_batch_size,
+    refuse_placed,
+)
 from jdp._replication import placement
 from jdp._steps import EvalStep, TrainStep
 from jdp._tree import PyTree
@@ -329,8 +335,6 @@ def shard_map(
     if devices is not None:
         if mesh is not None:
             raise ValueError("jdp.shard_map: pass mesh= or devices=, not both.")
-        devices = list(devices)  # once: an iterator would be empty the second time
-        if not devices:
-            raise ValueError("jdp.shard_map: devices is empty; pass at least one device.")
+        devices = device_list(devices, "jdp.shard_map")
         mesh = Mesh(np.asarray(devices), (axis_name,))
     return ShardMapStep(step, mesh=mesh, axis_name=axis_name, donate_state=donate_state)

@@ -36,7 +36,11 @@ def cast_communication(dtype: DTypeLike = jnp.bfloat16) -> Communication:
       >>> strategy.name
       'data_parallel'
     """
-    if not jnp.issubdtype(dtype, jnp.floating):
+    try:
+        floating = jnp.issubdtype(dtype, jnp.floating)
+    except TypeError:  # not a dtype at all ("fp16")
+        floating = False
+    if not floating:
         raise TypeError(
             f"jdp.strategies.cast_communication: dtype must be floating (e.g. jnp.bfloat16), "
             f"got {dtype!r}."

@@ -7,7 +7,7 @@ import jax
 from jax import lax
 
 from jdp import _phases
-from jdp._args import check_int
+from jdp._args import bound_axis_size, check_int
 from jdp._forward import Contribution, Forward, accumulate, replica_rng
 from jdp._state import TrainState
 from jdp._tree import PyTree
@@ -58,6 +58,7 @@ def reduce_gradients(
       >>> f(jnp.arange(8.0)).tolist()[0]
       3.5
     """
+    bound_axis_size(axis_name, "jdp.reduce_gradients")
     if grad_reduce not in GRAD_REDUCTIONS:
         raise ValueError(
             f"jdp.reduce_gradients: unknown grad_reduce={grad_reduce!r}; expected one of "
