@@ -14,6 +14,13 @@ both alike; each figure is the median over rounds of the mean step time of
 ``--steps`` calls. The ratio is exact/ordinary step time (goals: <= 2 for the
 CNN, <= 1.5 for the LM and the scanned models). Compile time is the first call's.
 
+Then, for the recurrent model on one device, the floor under exact mode's
+cost: its 8 virtual replicas' gradients computed one after another with
+nothing else (``lax.map``), against the whole batch's gradient; and why
+they are not batched with ``vmap``: how many shapes of a plain sum over the
+batch axis round differently when 8 micro-batches are summed in one
+operation than when 1, 2 or 4 are (what a device holding fewer would run).
+
 Usage: python benchmarks/exact_cost.py [--rounds 5] [--steps 20] [--json out.json]
 """
 
@@ -104,6 +111,46 @@ def bench(model, n, rounds, steps):
     }
 
 
+def _median_ms(fn, *args, calls=50, rounds=5):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return 1e3 * statistics.median(times)
+
+
+def recurrent_floor():
+    """Milliseconds: the whole batch's gradient, and 8 micro-batches' one after another."""
+    _, state, batches = zoo.FAMILIES["scanned_rnn"]()
+    batch = jax.tree.map(lambda x: np.concatenate([x] * 4), batches[0])
+    grad = jax.grad(zoo.classifier_loss(zoo.Recurrent()))
+    micro = jax.tree.map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch)
+    one_after_another = jax.jit(lambda p, m: jax.lax.map(lambda b: grad(p, b), m))
+    return _median_ms(jax.jit(grad), state.params, batch), _median_ms(
+        one_after_another, state.params, micro
+    )
+
+
+def batched_sums_that_round_differently():
+    """``(differ, shapes)``: sums over axis 1 of (8, b, h) against the same over 1, 2, 4 rows."""
+    rng = np.random.default_rng(0)
+    total = jax.jit(lambda x: x.sum(1))
+    differ = shapes = 0
+    for b in (3, 7, 16, 32, 64, 128):
+        for h in (5, 16, 32, 48, 64, 128):
+            x = rng.normal(size=(8, b, h)).astype(np.float32)
+            whole = np.asarray(total(x))
+            for rows in (1, 2, 4):
+                parts = [np.asarray(total(x[i : i + rows])) for i in range(0, 8, rows)]
+                shapes += 1
+                differ += not np.array_equal(whole, np.concatenate(parts))
+    return differ, shapes
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -128,6 +175,16 @@ def main():
                 f"{r['exact_over_ordinary']:.2f} | {c['ordinary']:.1f}, {c['exact']:.1f} |",
                 flush=True,
             )
+    whole, sequential = recurrent_floor()
+    print(
+        f"\nLSTM + GRU, one device: the whole batch's gradient {whole:.2f} ms; 8 micro-batches' "
+        f"one after another {sequential:.2f} ms ({sequential / whole:.2f}x), before any update"
+    )
+    differ, shapes = batched_sums_that_round_differently()
+    print(
+        f"a sum over the batch axis of 8 micro-batches at once rounds differently from 1, 2 "
+        f"or 4 at once in {differ} of {shapes} shapes"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -10,8 +10,8 @@ that divides G, on one process or several.
 
 What makes it hold on XLA (each measured on XLA:CPU, JAX 0.10):
 micro-batches run one at a time in a loop (batching them with ``vmap``
-changes a matmul's rounding; unrolled copies fuse differently with what
-surrounds them); no arithmetic collective is used (``psum`` reduces in an
+changes how a sum over the batch axis rounds; unrolled copies fuse
+differently with what surrounds them); no arithmetic collective is used (``psum`` reduces in an
 n-dependent order): devices exchange partial sums with ``all_to_all`` and
 ``all_gather`` only, and the tree is finished in this module; the program
 after the last collective is the same for every n; and the step compiles
