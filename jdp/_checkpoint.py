@@ -144,6 +144,7 @@ class Checkpointer:
         """
         step = check_int(step, "step", minimum=0, where="jdp.Checkpointer.save")
         refuse_consumed(state, "jdp.Checkpointer.save")
+        _refuse_objects(state)
         meta = {"format": FORMAT_VERSION, "static": _static_fields(state), "extra": extra}
         try:
             json.dumps(meta, allow_nan=False)
@@ -594,3 +595,15 @@ def _describe(failures) -> str:
     return "; ".join(
         f"step {s} ({type(e).__name__}: {str(e).splitlines()[0][:200]})" for s, e in failures
     )
+
+
+def _refuse_objects(state: PyTree) -> None:
+    """Refuses a leaf a checkpoint cannot hold (a function, a module), naming it."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex | str):
+            raise TypeError(
+                f"jdp.Checkpointer.save: leaf {jax.tree_util.keystr(path) or '<root>'} is a "
+                f"{type(leaf).__name__}; a checkpoint holds arrays and numbers. Keep "
+                "functions and objects out of the state (a static field of a jdp.dataclass "
+                "state is not saved)."
+            )

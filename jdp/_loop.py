@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import jax
 import numpy as np
 
-from jdp import _recycle, _standby, _standby_restore, _timed, _tree, _watchdog
-from jdp._args import check_int
+from jdp import _layout, _recycle, _standby, _standby_restore, _timed, _tree, _watchdog
+from jdp._args import check_bool, check_int
 from jdp._checkpoint import Checkpointer
 from jdp._data import prefetch_to_device
 from jdp._evaluation import evaluate
@@ -133,7 +133,9 @@ def fit(
     _check_fit_args(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
+    _check_fit_hooks(train_data, checkpointer, on_epoch_end, callbacks)
     check_int(log_every, "log_every", minimum=1, where="jdp.fit")
+    check_bool(progress, "progress", where="jdp.fit")
     refuse_consumed(state, "jdp.fit: the state")
     standby = _standby_for(train_step, state, checkpointer)
     train_step, run = _runs(train_step, state, standby)
@@ -380,6 +382,35 @@ def _check_fit_args(
         )
 
 
+def _check_fit_hooks(train_data, checkpointer, on_epoch_end, callbacks) -> None:
+    if not isinstance(train_data, Iterable):
+        raise TypeError(
+            "jdp.fit: train_data must be an iterable of host batches (a jdp.BatchIterator, a "
+            f"generator, a data loader), got {type(train_data).__name__}."
+        )
+    if checkpointer is not None and not isinstance(checkpointer, Checkpointer):
+        raise TypeError(
+            "jdp.fit: checkpointer must be a jdp.Checkpointer, e.g. "
+            f"checkpointer=jdp.Checkpointer(directory), or None, got {type(checkpointer).__name__}."
+        )
+    if on_epoch_end is not None and not callable(on_epoch_end):
+        raise TypeError(
+            "jdp.fit: on_epoch_end must be a function (epoch, state) -> state or None, got "
+            f"{type(on_epoch_end).__name__}."
+        )
+    if callable(callbacks) or not isinstance(callbacks, Sequence):
+        raise TypeError(
+            "jdp.fit: callbacks must be a list of functions of a logged row, e.g. "
+            f"callbacks=[jdp.TensorBoardLogger(logdir)], got {type(callbacks).__name__}."
+        )
+    for i, callback in enumerate(callbacks):
+        if not callable(callback):
+            raise TypeError(
+                f"jdp.fit: callbacks[{i}] is a {type(callback).__name__}, not a function of a "
+                "logged row (a dict)."
+            )
+
+
 def _standby_for(
     train_step: Runner, state: PyTree, checkpointer: Checkpointer | None
 ) -> "_standby.Standby | None":
@@ -506,7 +537,19 @@ def _step_of(state: PyTree) -> int:
             f"jdp.fit counts steps with the state's step counter, but the {type(state).__name__} "
             "state has no .step attribute or 'step' entry; add one that the step increments."
         )
+    if _layout.layout_of_leaf(counter) is None:
+        raise ValueError(
+            "jdp.fit: the state is not placed on the step's devices (its step counter is "
+            f"{_where(counter)}): pass state = train_step.replicate(state), as before a "
+            "first step call."
+        )
     return int(np.asarray(jax.device_get(unreplicate(counter))))
+
+
+def _where(counter: object) -> str:
+    if isinstance(counter, jax.Array):
+        return f"an array on one device, {next(iter(counter.devices()))}"
+    return f"a host {type(counter).__name__}"
 
 
 class _Rows:

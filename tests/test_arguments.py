@@ -56,6 +56,45 @@ def test_fit_refuses_bad_counts(kwargs, error, match):
         fit(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"callbacks": print}, r"^jdp.fit: callbacks must be a list of functions of a logged row"),
+        ({"callbacks": [3]}, r"^jdp.fit: callbacks\[0\] is a int, not a function"),
+        ({"on_epoch_end": 3}, r"^jdp.fit: on_epoch_end must be a function \(epoch, state\)"),
+        (
+            {"checkpointer": "/tmp/run"},
+            r"^jdp.fit: checkpointer must be a jdp.Checkpointer.*got str",
+        ),
+        ({"progress": "no"}, r"^jdp.fit: progress must be True or False, got 'no'"),
+    ],
+)
+def test_fit_refuses_hooks_of_the_wrong_kind(kwargs, match):
+    step = train_step()
+    args = {"num_steps": 2, "progress": False, **kwargs}
+    with pytest.raises(TypeError, match=match):
+        jdp.fit(step, step.replicate(initial_state()), jdp.BatchIterator(DATA, 16, seed=0), **args)
+
+
+def test_fit_refuses_missing_data_and_an_unplaced_state():
+    step = train_step()
+    with pytest.raises(TypeError, match=r"^jdp.fit: train_data must be an iterable .* NoneType"):
+        jdp.fit(step, step.replicate(initial_state()), None, num_steps=1, progress=False)
+    unplaced = r"^jdp.fit: the state is not placed on the step's devices .* pass state = train_step"
+    with pytest.raises(ValueError, match=unplaced):
+        jdp.fit(step, initial_state(), [DATA], num_steps=1, progress=False)
+
+
+def test_a_checkpoint_refuses_a_function_in_the_state(tmp_path):
+    with (
+        jdp.Checkpointer(tmp_path) as ckpt,
+        pytest.raises(TypeError, match=r"^jdp.Checkpointer.save: leaf \['f'\] is a function"),
+    ):
+        ckpt.save(1, {"w": np.ones(2), "f": lambda: 0})
+    with jdp.Checkpointer(tmp_path) as ckpt:
+        assert ckpt.all_steps() == []
+
+
 def test_fit_refuses_checkpoint_every_zero(tmp_path):
     with (
         jdp.Checkpointer(tmp_path) as ckpt,
