@@ -45,6 +45,14 @@ class WeightedLoss:
     def __post_init__(self) -> None:
         # A traced weight cannot be checked here; a negative one makes the
         # step NaN (zero_where_weightless). A concrete one is refused at once.
+        for name in ("total", "weight"):
+            value = getattr(self, name)
+            dtype = getattr(value, "dtype", None) or np.asarray(value).dtype
+            if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
+                raise TypeError(
+                    f"jdp.WeightedLoss.{name} must be a number or numeric array (a sum of "
+                    f"losses, and what it sums over), got {value!r:.60}."
+                )
         weight = self.weight
         if not isinstance(weight, jax.core.Tracer) and np.any(np.asarray(weight) < 0):
             raise ValueError(

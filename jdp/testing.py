@@ -72,6 +72,12 @@ def check_exact(
 
 
 def _check_arguments(make_step, batches, device_counts, backend, available: int) -> None:
+    if not callable(make_step):
+        raise TypeError(
+            "jdp.check_exact: make_step must be a function that builds the step, e.g. "
+            "lambda: jdp.make_train_step(loss_fn, strategy=jdp.strategies.exact(8)), got "
+            f"{type(make_step).__name__}."
+        )
     if backend not in BACKENDS:
         raise TypeError(
             f"jdp.check_exact: backend must be jdp.shard_map or jdp.pmap (the function), got {backend!r}."

@@ -454,6 +454,16 @@ def _loss(params, batch):
             r"^jdp.metrics.Metric 'x': rule must be a function \(values, weights\) -> value",
         ),
         (
+            lambda: jdp.WeightedLoss("a", 1.0),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.WeightedLoss.total must be a number or numeric array .* got 'a'",
+        ),
+        (
+            lambda: check_exact(3, initial_state(), [DATA]),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.check_exact: make_step must be a function that builds the step.* got int",
+        ),
+        (
             lambda: jdp.nnx.merge(None, {}, ({}, {})),  # type: ignore[arg-type]
             TypeError,
             r"^jdp.nnx.merge: graphdef must be the nnx.GraphDef jdp.nnx.split returned, got NoneType",
