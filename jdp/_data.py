@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jdp._args import check_int
+from jdp._args import check_bool, check_int, check_name
 from jdp._batching import batch_size as leading_size
 from jdp._batching import shard
 from jdp._tree import PyTree
@@ -86,7 +86,7 @@ class BatchIterator:
             )
         self.data = jax.tree.map(np.asarray, data)
         self.batch_size = batch_size
-        self.shuffle = shuffle
+        self.shuffle = check_bool(shuffle, "shuffle", where="jdp.BatchIterator")
         self.seed = check_int(seed, "seed", minimum=0, where="jdp.BatchIterator")
         self.remainder = remainder
         self.repeat = repeat
@@ -182,6 +182,8 @@ def _check_batching(
 ) -> None:
     """BatchIterator's options, checked against the data (the process split aside)."""
     batch_size = check_int(batch_size, "batch_size", minimum=1, where="jdp.BatchIterator")
+    check_bool(repeat, "repeat", where="jdp.BatchIterator")  # "no" would read as True
+    check_name(mask_key, "mask_key", where="jdp.BatchIterator")
     if remainder not in REMAINDERS:
         raise ValueError(
             f"jdp.BatchIterator: remainder must be one of {REMAINDERS}, got {remainder!r}."

@@ -52,6 +52,11 @@ class History:
     @classmethod
     def from_dict(cls, saved: dict[str, Any] | None) -> "History":
         """A History from ``dataclasses.asdict(history)`` as a checkpoint saved it (empty: None)."""
+        if saved is not None and not isinstance(saved, Mapping):
+            raise TypeError(
+                "jdp.History.from_dict takes the dict dataclasses.asdict(history) gives (as a "
+                f"checkpoint's extra()['history'] holds it), or None; got {type(saved).__name__}."
+            )
         saved = saved or {}
         rows = {name: list(saved.get(name, [])) for name in ("train", "eval", "resumed_at")}
         return cls(**rows, time={k: float(v) for k, v in dict(saved.get("time", {})).items()})

@@ -42,6 +42,8 @@ def _is_concrete(x) -> bool:
 
 
 def _check_scale(name: str, value) -> None:
+    if isinstance(value, str | bytes):  # np.asarray("1024") would read it as a number
+        raise TypeError(f"{name} must be a number, got {value!r}.")
     if _is_concrete(value):
         v = float(np.asarray(value))
         if not (math.isfinite(v) and v > 0):

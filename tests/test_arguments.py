@@ -454,6 +454,31 @@ def _loss(params, batch):
             r"^jdp.metrics.Metric 'x': rule must be a function \(values, weights\) -> value",
         ),
         (
+            lambda: jdp.BatchIterator({"x": np.ones((16, 2))}, batch_size=8, repeat="no"),
+            TypeError,
+            r"^jdp.BatchIterator: repeat must be True or False, got 'no'",
+        ),
+        (
+            lambda: jdp.BatchIterator({"x": np.ones((16, 2))}, batch_size=8, shuffle="yes"),
+            TypeError,
+            r"^jdp.BatchIterator: shuffle must be True or False, got 'yes'",
+        ),
+        (
+            lambda: jdp.BatchIterator({"x": np.ones((16, 2))}, 8, remainder="pad", mask_key=3),
+            TypeError,
+            r"^jdp.BatchIterator: mask_key must be a non-empty string, got 3",
+        ),
+        (
+            lambda: jdp.StaticLossScale("1024"),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.StaticLossScale.loss_scale must be a number, got '1024'",
+        ),
+        (
+            lambda: jdp.History.from_dict("history.json"),  # type: ignore[arg-type]
+            TypeError,
+            r"^jdp.History.from_dict takes the dict dataclasses.asdict\(history\) gives",
+        ),
+        (
             lambda: jdp.WeightedLoss("a", 1.0),  # type: ignore[arg-type]
             TypeError,
             r"^jdp.WeightedLoss.total must be a number or numeric array .* got 'a'",
