@@ -185,11 +185,13 @@ class OwnRunner:
 def test_a_runner_of_ones_own_is_timed_only_on_request_and_then_refused():
     inner = models.backend("shard_map", jdp.make_train_step(models.mlp_loss), 8)
     step = OwnRunner(inner)
-    state = inner.replicate(jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1)))
-    _, history = jdp.fit(step, state, BATCHES, num_steps=4, log_every=2, progress=False)
+    fresh = lambda: inner.replicate(  # noqa: E731  (fit consumes the state it is given)
+        jdp.TrainState.create(params=models.mlp_params(), tx=optax.sgd(0.1))
+    )
+    _, history = jdp.fit(step, fresh(), BATCHES, num_steps=4, log_every=2, progress=False)
     assert [row["step"] for row in history.train] == [2, 4]
     with pytest.raises(TypeError) as raised:
-        jdp.fit(step, state, BATCHES, num_steps=4, time_every=2, progress=False)
+        jdp.fit(step, fresh(), BATCHES, num_steps=4, time_every=2, progress=False)
     assert str(raised.value) == (
         "jdp.fit: time_every=2 times a step wrapped by a jdp backend (jdp.shard_map, jdp.pmap), "
         "got OwnRunner; pass time_every=0."
