@@ -40,17 +40,19 @@ def device_list(devices: Sequence[jax.Device], where: str) -> list[jax.Device]:
         raise ValueError(
             f"{where}: devices is empty: pass at least one device (default: every local device)."
         )
+    seen: dict[jax.Device, int] = {}
     for i, device in enumerate(devices):
         if not isinstance(device, jax.Device):
             raise TypeError(
                 f"{where}: devices[{i}] is a {type(device).__name__}, not a jax.Device; pass "
                 "devices from jax.devices() or jax.local_devices()."
             )
-        if device in devices[:i]:
+        if device in seen:
             raise ValueError(
-                f"{where}: devices holds {device} twice (at {devices.index(device)} and {i}); "
+                f"{where}: devices holds {device} twice (at {seen[device]} and {i}); "
                 "each replica needs a device of its own: pass distinct devices."
             )
+        seen[device] = i
     return devices
 
 

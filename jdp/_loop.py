@@ -138,10 +138,7 @@ def fit(
     _check_fit_args(
         train_step, num_steps, eval_step, eval_data, eval_every, checkpointer, checkpoint_every
     )
-    _check_fit_hooks(train_data, checkpointer, on_epoch_end, callbacks)
-    check_int(log_every, "log_every", minimum=1, where="jdp.fit")
-    check_bool(progress, "progress", where="jdp.fit")
-    refuse_consumed(state, "jdp.fit: the state")
+    _check_fit_inputs(state, train_data, checkpointer, on_epoch_end, callbacks, log_every, progress)
     standby = _standby_for(train_step, state, checkpointer)
     train_step, run = _runs(train_step, state, standby)
     timed = _timed.timed(train_step, time_every)
@@ -387,7 +384,12 @@ def _check_fit_args(
         )
 
 
-def _check_fit_hooks(train_data, checkpointer, on_epoch_end, callbacks) -> None:
+def _check_fit_inputs(
+    state, train_data, checkpointer, on_epoch_end, callbacks, log_every, progress
+) -> None:
+    check_int(log_every, "log_every", minimum=1, where="jdp.fit")
+    check_bool(progress, "progress", where="jdp.fit")
+    refuse_consumed(state, "jdp.fit: the state")
     if not isinstance(train_data, Iterable):
         raise TypeError(
             "jdp.fit: train_data must be an iterable of host batches (a jdp.BatchIterator, a "
