@@ -12,21 +12,30 @@ publishes both in JAX's key-value store (no collective, nothing the device
 waits for), and process 0 compares the windows between them.
 
 The rule: over a window, a process's own time per step (its data wait per
-step plus its compute per timed step) exceeds the median of its peers' by
-more than ``SHARE`` of the step time (and ``FLOOR`` seconds) in ``WINDOWS``
-windows in a row. Comparing processes within the same window cancels what
+step plus its compute per timed step), or either part alone, exceeds the
+median of its peers' by more than ``SHARE`` of the step time (and ``FLOOR``
+seconds) in ``WINDOWS`` windows in a row. Comparing processes within the same window cancels what
 the whole machine does (a noisy neighbour slows everyone alike); requiring
 consecutive windows keeps one hiccup from being named.
+
+The windows compared are the same steps on every process. Each process
+publishes its newest ``KEEP`` samples, and process 0 compares at the newest
+logged step every process has reached: a process's newest sample is often
+one logged step behind process 0's when process 0 reads it (the processes
+publish on their own threads' time), and a window of steps 11-30 held
+against one of steps 21-30 hid a process computing 10% longer in two of
+three jobs.
 """
 
 import dataclasses
 import json
 import statistics
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 SHARE = 0.05  # of the step time: a process slower by 10% is named, by 5% not reliably
 FLOOR = 2e-3  # seconds per step: below this, a wait is timer and scheduler noise
 WINDOWS = 3  # consecutive windows (logged steps) before a process is named
+KEEP = 4  # samples each process publishes, newest last: the steps process 0 may align on
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,18 +54,32 @@ class Sample:
     collective: float = 0.0
     timed: int = 0
 
-    def encode(self) -> str:
-        return json.dumps(dataclasses.astuple(self))
-
     @classmethod
-    def decode(cls, text: str) -> "Sample | None":
+    def of(cls, row: object) -> "Sample | None":
+        """The sample a published row holds, or None for a row of another form."""
+        if not isinstance(row, list) or len(row) != 6:
+            return None
         try:
-            step, data, total, *timing = json.loads(text)
-            compute, collective, timed = timing or (0.0, 0.0, 0)
-            timing_ = (float(compute), float(collective), int(timed))
-            return cls(int(step), float(data), float(total), *timing_)
+            numbers = [float(x) for x in row]
         except (ValueError, TypeError):
             return None
+        step, data, total, compute, collective, timed = numbers
+        return cls(int(step), data, total, compute, collective, int(timed))
+
+
+def encode(samples: Sequence[Sample]) -> str:
+    """What a process publishes: its newest samples, oldest first."""
+    return json.dumps([dataclasses.astuple(s) for s in samples])
+
+
+def decode(text: str) -> list[Sample]:
+    """The samples :func:`encode` wrote; rows of another form are left out."""
+    try:
+        rows = json.loads(text)
+    except ValueError:
+        return []
+    samples = [Sample.of(row) for row in rows] if isinstance(rows, list) else []
+    return [s for s in samples if s is not None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,30 +99,52 @@ class Window:
 
 
 class Pace:
-    """Process 0's view: each process's last sample and how many windows in a row it was slow."""
+    """Process 0's view: each process's samples since the last step compared, and its strikes."""
 
     def __init__(self) -> None:
-        self.last: dict[int, Sample] = {}
+        self.seen: dict[int, dict[int, Sample]] = {}  # by process, then by step
+        self.compared: int | None = None  # the newest step compared, reached by every process
         self.strikes: dict[int, int] = {}
         self.named: int | None = None
         self.windows: dict[int, Window] = {}  # each process's newest window
 
-    def observe(self, samples: Mapping[int, Sample]) -> tuple[int, dict[int, Window]] | None:
-        """Takes every process's newest sample; ``(process, windows)`` when one is newly named."""
-        windows = {}
-        for index, sample in samples.items():
-            before = self.last.get(index)
-            if before is not None and sample.step > before.step:
-                windows[index] = _window(before, sample)
-            if before is None or sample.step > before.step:
-                self.last[index] = sample
-        self.windows.update(windows)
-        if len(windows) < 2:
-            return None
+    def observe(
+        self, published: Mapping[int, Sequence[Sample]]
+    ) -> tuple[int, dict[int, Window]] | None:
+        """Takes what each process published; ``(process, windows)`` when one is newly named.
+
+        Compares, window by window, the logged steps every process has
+        reached since the last one compared: the same steps on each.
+        """
+        for index, samples in published.items():
+            seen = self.seen.setdefault(index, {})
+            seen.update((s.step, s) for s in samples if s.step >= (self.compared or 0))
+        reached = set.intersection(*(set(seen) for seen in self.seen.values()))
+        named = None
+        for step in sorted(s for s in reached if self.compared is None or s > self.compared):
+            before, self.compared = self.compared, step
+            windows = {
+                index: _window(seen[before], seen[step])
+                for index, seen in self.seen.items()
+                if before is not None and before in seen
+            }
+            self.windows.update(windows)
+            if len(windows) > 1:
+                named = self._judge(windows) or named
+        for seen in self.seen.values():
+            for step in [s for s in seen if self.compared is not None and s < self.compared]:
+                del seen[step]
+        return named
+
+    def _judge(self, windows: dict[int, Window]) -> tuple[int, dict[int, Window]] | None:
+        """Counts each process's strikes over ``windows``; the newly named one, if any."""
         step_time = statistics.median(w.step_time for w in windows.values())
         for index, window in windows.items():
-            peers = statistics.median(w.own for i, w in windows.items() if i != index)
-            slow = window.own - peers > max(SHARE * step_time, FLOOR)
+            slow = any(
+                time(window) - statistics.median(time(w) for i, w in windows.items() if i != index)
+                > max(SHARE * step_time, FLOOR)
+                for time in _OWN_TIMES
+            )
             self.strikes[index] = self.strikes.get(index, 0) + 1 if slow else 0
         slowest = max(windows, key=lambda i: (self.strikes[i], windows[i].own))
         if self.strikes[slowest] >= WINDOWS and self.named != slowest:
@@ -108,6 +153,16 @@ class Pace:
         if self.strikes[slowest] == 0:
             self.named = None
         return None
+
+
+# Each compared alone as well as together: a peer's data wait (on a timed
+# step, often its host callbacks holding the interpreter) hid in the sum
+# the compute of a process slowed 10% in its loss, named one window later.
+_OWN_TIMES = (
+    lambda w: w.own,
+    lambda w: w.data,
+    lambda w: w.compute,
+)
 
 
 def _window(before: Sample, now: Sample) -> Window:

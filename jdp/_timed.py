@@ -60,7 +60,7 @@ class Timed:
     def alone(self, step: int, seconds: dict[str, float]) -> dict[str, float]:
         """In one process, the row's ``pace``: its newest window (:func:`jdp._pace.summary`)."""
         sample = Sample(step, seconds["data"], sum(seconds.values()), *self.totals())
-        self.pace.observe({0: sample})
+        self.pace.observe({0: [sample]})
         return summary(self.pace.windows)
 
 

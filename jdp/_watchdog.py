@@ -20,6 +20,7 @@ Nothing here changes what a step computes; it only decides when to stop.
 """
 
 import atexit
+import collections
 import contextlib
 import os
 import queue
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from jdp import _host_callbacks, _jax_private
-from jdp._pace import Pace, Sample, report, summary
+from jdp._pace import KEEP, Pace, Sample, decode, encode, report, summary
 
 DEFAULT_DEADLINE = 600.0  # seconds without a step call; compiles longer than this need more
 EXIT_FAILED, EXIT_TERMINATED, EXIT_PREEMPTED = 1, 143, 75  # 75: EX_TEMPFAIL, "run me again"
@@ -62,6 +63,7 @@ class _Job:
         self.savers = 0  # jdp.fit loops that save a checkpoint on preemption
         self.preempted_at: float | None = None
         self.pace = Pace()  # process 0: who is slower than its peers (jdp._pace)
+        self.samples: collections.deque[Sample] = collections.deque(maxlen=KEEP)  # published
         self.results: queue.SimpleQueue | None = queue.SimpleQueue() if self.count > 1 else None
         self.finished_steps = 0  # step calls whose results the device finished
         self.callback: tuple[str, float] | None = None  # where a host callback runs, since when
@@ -205,12 +207,11 @@ def note_time(
     job = JOB
     if job is None or job.count < 2:
         return {}
-    sample = Sample(step, seconds["data"], sum(seconds.values()), *(device or ()))
-    job.publish(f"time/{job.index}", sample.encode())
+    job.samples.append(Sample(step, seconds["data"], sum(seconds.values()), *(device or ())))
+    job.publish(f"time/{job.index}", encode(job.samples))
     if job.index != 0:
         return {}
-    samples = {i: Sample.decode(text) for i, text in job.entries("time/").items()}
-    named = job.pace.observe({i: s for i, s in samples.items() if s is not None})
+    named = job.pace.observe({i: decode(text) for i, text in job.entries("time/").items()})
     if named is not None:
         index, windows = named
         sys.stderr.write(f"[jdp] {report(index, _describe(index, job), windows)}\n")

@@ -36,14 +36,14 @@ STEP = 0.1  # seconds per step in the synthetic timings
 def feed(pace, data_per_step, windows, start=0, noise=None, rng=None):
     """Feeds ``windows`` windows of 10 steps; returns the windows after which someone was named."""
     named = []
+    totals = pace.totals = getattr(pace, "totals", {})  # each process's data wait and time so far
     for w in range(start, start + windows):
         samples = {}
         for i, extra in enumerate(data_per_step):
             jitter = 0.0 if noise is None else rng.uniform(0, noise * STEP)
-            last = pace.last.get(i, _pace.Sample(0, 0.0, 0.0))
-            samples[i] = _pace.Sample(
-                10 * (w + 1), last.data + 10 * (extra + jitter), last.total + 10 * STEP
-            )
+            data, total = totals.get(i, (0.0, 0.0))
+            totals[i] = (data + 10 * (extra + jitter), total + 10 * STEP)
+            samples[i] = [_pace.Sample(10 * (w + 1), *totals[i])]
         if pace.observe(samples) is not None:
             named.append((w, pace.named))
     return named
@@ -113,18 +113,55 @@ def test_compute_on_timed_steps_names_a_process_its_data_waits_do_not():
     named = []
     for w in range(6):  # 10 steps a window, one timed; process 2 computes 10% of a step longer
         samples = {
-            i: _pace.Sample(
-                10 * (w + 1), 0.0, STEP * 10 * (w + 1), (0.05 + 0.01 * (i == 2)) * w, 0.0, w
-            )
+            i: [
+                _pace.Sample(
+                    10 * (w + 1), 0.0, STEP * 10 * (w + 1), (0.05 + 0.01 * (i == 2)) * w, 0.0, w
+                )
+            ]
             for i in range(3)
         }
         if pace.observe(samples) is not None:
             named.append((w, pace.named))
     assert named == [(3, 2)]  # after 3 windows (the first samples open them)
-    assert _pace.Sample.decode(_pace.Sample(5, 1.0, 2.0, 0.5, 0.25, 3).encode()) == _pace.Sample(
-        5, 1.0, 2.0, 0.5, 0.25, 3
-    )
-    assert _pace.Sample.decode("[5, 1.0, 2.0]") == _pace.Sample(5, 1.0, 2.0)
+
+
+def test_published_samples_decode_and_rows_of_another_form_are_left_out():
+    samples = [_pace.Sample(5, 1.0, 2.0, 0.5, 0.25, 3), _pace.Sample(15, 1.5, 3.0, 0.75, 0.5, 4)]
+    assert _pace.decode(_pace.encode(samples)) == samples
+    assert _pace.decode('[[5, 1.0, 2.0], [15, 1.5, 3.0, 0.75, 0.5, 4], ["a", 1, 1, 1, 1, 1]]') == [
+        samples[1]
+    ]
+    assert _pace.decode("not json") == [] and _pace.decode('{"5": 1}') == []
+
+
+def lagging(pace, compute, windows, lag_every=2):
+    """Feeds 3 processes' windows (10 steps, one timed, ``compute[i]`` s each); process 2
+    publishes one logged step late on every ``lag_every``-th window, as a busy peer does.
+    Returns ``[(window, named)]`` and every compared window's steps, by process."""
+    named, steps = [], []
+    history = {i: [] for i in range(3)}
+    for w in range(windows):
+        for i in range(3):
+            t = 10 * (w + 1)
+            history[i].append(_pace.Sample(t, 0.0, STEP * t, compute[i] * (w + 1), 0.0, w + 1))
+        late = w % lag_every == 1
+        published = {
+            i: h[-_pace.KEEP - (i == 2 and late) :][: _pace.KEEP] for i, h in history.items()
+        }
+        published[2] = published[2][:-1] if late else published[2]
+        if pace.observe(published) is not None:
+            named.append((w, pace.named))
+        steps.append({i: win.steps for i, win in pace.windows.items()})
+    return named, steps
+
+
+def test_windows_compared_are_the_same_steps_on_every_process_when_one_publishes_late():
+    named, steps = lagging(_pace.Pace(), [0.05, 0.05, 0.05 + 0.1 * STEP], 10)
+    assert named and named[0][1] == 2 and named[0][0] <= 6  # late by one window at most
+    for compared in steps:  # no window of process 2 spans two logged steps
+        assert len(set(compared.values())) <= 1, compared
+    # A process one window late names no one when every process computes alike.
+    assert lagging(_pace.Pace(), [0.05, 0.05, 0.05], 200)[0] == []
 
 
 def test_the_report_says_who_and_how_much():
