@@ -8,6 +8,7 @@ import json
 import pathlib
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -123,6 +124,33 @@ def test_compute_on_timed_steps_names_a_process_its_data_waits_do_not():
         if pace.observe(samples) is not None:
             named.append((w, pace.named))
     assert named == [(3, 2)]  # after 3 windows (the first samples open them)
+
+
+def test_compute_is_compared_alone_so_a_peers_data_wait_cannot_hide_it():
+    # Process 0 waits 4% of a step for its data, process 2 computes 6% longer:
+    # their own times (data plus compute) differ by less than 5% of a step.
+    pace = _pace.Pace()
+    named = []
+    for w in range(6):
+        samples = {
+            i: [
+                _pace.Sample(
+                    10 * (w + 1),
+                    0.04 * STEP * 10 * (w + 1) * (i == 0),
+                    STEP * 10 * (w + 1),
+                    (0.3 + 0.06 * (i == 2)) * STEP * (w + 1),
+                    0.0,
+                    w + 1,
+                )
+            ]
+            for i in range(3)
+        }
+        if pace.observe(samples) is not None:
+            named.append((w, pace.named))
+    assert named == [(3, 2)]
+    window = pace.windows[2]
+    peers = statistics.median(pace.windows[i].own for i in (0, 1))
+    assert window.own - peers < _pace.SHARE * STEP  # the sum alone would name no one
 
 
 def test_published_samples_decode_and_rows_of_another_form_are_left_out():

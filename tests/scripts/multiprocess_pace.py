@@ -108,5 +108,6 @@ def main(mode, steps, slowdown, time_every, backend):
 
 
 if __name__ == "__main__":
-    time_every, backend = [*sys.argv[4:], "0", "pmap"][:2]
+    given = sys.argv[4:6]
+    time_every, backend = [*given, *("0", "pmap")[len(given) :]]
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(time_every), backend)
