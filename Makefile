@@ -85,7 +85,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/timing.py
 	$(PY) benchmarks/pace.py --launchers mpirun srun k8s
-	$(PY) benchmarks/pace.py --modes slow slow-loss --time-every 10 --hangs 0
+	$(PY) benchmarks/pace.py --modes slow-loss --time-every 1 --hangs 0
 	$(PY) benchmarks/survivors.py
 	$(PY) benchmarks/import_time.py
 

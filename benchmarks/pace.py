@@ -19,7 +19,7 @@ Runs tests/scripts/multiprocess_pace.py under jdp.launch, for each layout
 With ``--time-every K`` the jobs time every K steps on the device (``jdp.fit``'s
 ``time_every``), which ``slow-loss`` needs to be seen.
 
-Usage: python benchmarks/pace.py [--trials 20] [--modes slow slow-loss] [--time-every 10]
+Usage: python benchmarks/pace.py [--trials 20] [--modes slow slow-loss] [--time-every 1]
        [--clean 2000] [--hangs 20] [--layouts 2x4 4x2] [--launchers mpirun srun k8s]
 """
 
