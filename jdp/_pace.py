@@ -14,17 +14,18 @@ waits for), and process 0 compares the windows between them.
 The rule: over a window, a process's own time per step (its data wait per
 step plus its compute per timed step), or either part alone, exceeds the
 median of its peers' by more than ``SHARE`` of the step time (and ``FLOOR``
-seconds) in ``WINDOWS`` windows in a row. Comparing processes within the same window cancels what
-the whole machine does (a noisy neighbour slows everyone alike); requiring
-consecutive windows keeps one hiccup from being named.
+seconds) in ``WINDOWS`` windows in a row. Comparing processes within the
+same window cancels what the whole machine does (a noisy neighbour slows
+everyone alike); requiring consecutive windows keeps one hiccup from being
+named.
 
 The windows compared are the same steps on every process. Each process
-publishes its newest ``KEEP`` samples, and process 0 compares at the newest
-logged step every process has reached: a process's newest sample is often
-one logged step behind process 0's when process 0 reads it (the processes
-publish on their own threads' time), and a window of steps 11-30 held
-against one of steps 21-30 hid a process computing 10% longer in two of
-three jobs.
+publishes its newest ``KEEP`` samples, and process 0 compares, window by
+window, the logged steps every process has reached. A peer's newest sample
+is often one logged step behind process 0's when process 0 reads it (the
+processes publish on their own threads' time); holding that peer's steps
+11-30 against process 0's 21-30 named a process computing 10% longer one or
+two windows late in two of three jobs.
 """
 
 import dataclasses
