@@ -133,9 +133,10 @@ class Pace:
             self.windows.update(windows)
             if len(windows) > 1:
                 named = self._judge(windows) or named
-        for seen in self.seen.values():
-            for step in [s for s in seen if self.compared is not None and s < self.compared]:
-                del seen[step]
+        newest = self.compared or 0
+        self.seen = {
+            i: {s: x for s, x in seen.items() if s >= newest} for i, seen in self.seen.items()
+        }
         return named
 
     def _judge(self, windows: dict[int, Window]) -> tuple[int, dict[int, Window]] | None:
@@ -159,7 +160,8 @@ class Pace:
 
 # Each compared alone as well as together: a peer's data wait (on a timed
 # step, often its host callbacks holding the interpreter) hid in the sum
-# the compute of a process slowed 10% in its loss, named one window later.
+# the compute of a process slowed 10% in its loss, named up to two windows
+# later (steps 71-80 and 61-70 against 51-60 in two of three jobs).
 _OWN_TIMES = (
     lambda w: w.own,
     lambda w: w.data,
