@@ -173,10 +173,9 @@ def lagging(pace, compute, windows, lag_every=2):
             t = 10 * (w + 1)
             history[i].append(_pace.Sample(t, 0.0, STEP * t, compute[i] * (w + 1), 0.0, w + 1))
         late = w % lag_every == 1
-        published = {
-            i: h[-_pace.KEEP - (i == 2 and late) :][: _pace.KEEP] for i, h in history.items()
-        }
-        published[2] = published[2][:-1] if late else published[2]
+        published = {i: h[-_pace.KEEP :] for i, h in history.items()}
+        if late:  # its newest sample is not out yet
+            published[2] = history[2][-_pace.KEEP - 1 : -1]
         if pace.observe(published) is not None:
             named.append((w, pace.named))
         steps.append({i: win.steps for i, win in pace.windows.items()})
